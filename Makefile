@@ -1,0 +1,72 @@
+# evolving-infra: `make help` lists the targets. Everything runs from a virtual environment in
+# .venv that the targets create and fill themselves, so a fresh machine needs only `make demo`
+# and `make test`.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+NATIVE := $(VENV)/.native
+
+.DEFAULT_GOAL := help
+.PHONY: help venv build demo test test-rust test-py lint fmt bench bench-rust bench-py bench-dynamo clean
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "maturin>=1.7,<2" "numpy>=1.26" "msgpack>=1.0" "rich>=13" "structlog>=24" \
+		"pytest>=8" "hypothesis>=6.100" "mypy>=1.11" "ruff>=0.6" "pytest-benchmark>=4"
+	touch $@
+
+venv: $(STAMP) ## create .venv with the Python dependencies
+
+$(NATIVE): $(STAMP) Cargo.toml rust/kvdir/Cargo.toml rust/kvdir-py/Cargo.toml $(wildcard rust/*/src/*.rs)
+	$(VENV)/bin/maturin develop --release --quiet
+	touch $@
+
+build: $(NATIVE) ## build the Rust extension (release) into .venv
+
+demo: build ## replay the bundled Claude Code traces into the KV directory; print per-node hit rates
+	$(VENV)/bin/evolving-infra demo
+
+test: lint test-rust test-py ## everything CI runs: lint (clippy, stubtest, mypy, ruff), cargo tests, pytest
+
+test-rust: ## cargo tests (unit, property, golden)
+	cargo test --workspace --exclude kvdir-py --all-targets
+
+test-py: build ## pytest
+	$(VENV)/bin/pytest -q
+
+lint: build ## clippy, rustfmt --check, stubtest, mypy --strict, ruff
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo fmt --all --check
+	$(PY) -m mypy.stubtest evolving_infra._core --allowlist python/stubtest-allowlist.txt
+	$(VENV)/bin/mypy
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+
+fmt: $(STAMP) ## format Rust and Python
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix python tests benches
+
+bench: bench-rust bench-py bench-dynamo ## all benchmarks (figures printed; nothing asserted on time)
+
+bench-rust: ## criterion benchmarks of the core crate (1M blocks x 1,000 nodes)
+	cargo bench -p kvdir --bench directory
+
+bench-py: build ## pytest-benchmark of the Python API
+	$(VENV)/bin/pytest benches -m bench --benchmark-only -p no:randomly
+
+bench-dynamo: build ## side by side with NVIDIA Dynamo's RadixTree (installs ai-dynamo-runtime 1.6.1)
+	$(PIP) install --quiet --no-deps ai-dynamo-runtime==1.6.1
+	$(PIP) install --quiet "pydantic>=2.10.6,<=2.13.5" "uvloop>=0.21.0"
+	$(PY) benches/compare_dynamo.py
+
+clean: ## remove build outputs and .venv
+	cargo clean
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,125 @@
+"""Type stubs for the native module `evolving_infra._core` (Rust crate `kvdir-py`).
+
+Hand-written and checked against the built module by `python -m mypy.stubtest`
+(`make lint`). The semantics are the contract of DESIGN §2.
+"""
+
+from collections.abc import Sequence
+from typing import Final, Literal, final
+
+import numpy as np
+import numpy.typing as npt
+
+Tier = Literal["L1", "L2"]
+Branch = str | int
+
+__version__: Final[str]
+
+def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+    """SGLang 0.5.23 page hashes of every full page of `token_ids` (signed 64-bit ints)."""
+
+class KvDirectoryError(ValueError):
+    """Base of every error the directory raises; the directory is unchanged when it is raised."""
+
+class UnknownParentError(KvDirectoryError):
+    """`parent` is not a block the directory knows."""
+
+    parent: int
+
+class ParentMismatchError(KvDirectoryError):
+    """`hash` is known under `known_parent` but the call gives it `parent` (None: a first page)."""
+
+    hash: int
+    parent: int | None
+    known_parent: int | None
+
+class DuplicateHashError(KvDirectoryError):
+    """A chain repeats `hash` (or contains its own parent)."""
+
+    hash: int
+
+class HashRangeError(KvDirectoryError):
+    """`value` is outside the signed 64-bit range of block hashes."""
+
+    value: int
+
+class UnknownBranchError(KvDirectoryError):
+    """`branch_fork` from a branch that does not exist."""
+
+    branch: Branch
+
+class BranchExistsError(KvDirectoryError):
+    """`branch_fork` onto a branch that already exists."""
+
+    branch: Branch
+
+class InvalidArgumentError(KvDirectoryError):
+    """A bad tier, node, time, page size or limit; `argument` names it."""
+
+    argument: str
+
+class EventDecodeError(KvDirectoryError):
+    """Event bytes that are not a valid SGLang `KVEventBatch`; `offset` is where decoding stopped."""
+
+    offset: int
+
+@final
+class PrefixMatch:
+    """Result of `KvDirectory.match`: how much of a query chain each place holds."""
+
+    @property
+    def nodes(self) -> dict[int, tuple[int, int]]:
+        """{node: (l1, l12)} for every node with l12 > 0."""
+
+    @property
+    def pool(self) -> int:
+        """Leading query blocks each held in the L2 of at least one node."""
+
+    @property
+    def cluster(self) -> int:
+        """Leading query blocks each held somewhere."""
+
+    @property
+    def node_ids(self) -> npt.NDArray[np.int64]:
+        """Nodes with l12 > 0, ascending."""
+
+    @property
+    def l1(self) -> npt.NDArray[np.int64]:
+        """Leading query blocks in each node's L1, aligned with `node_ids`."""
+
+    @property
+    def l12(self) -> npt.NDArray[np.int64]:
+        """Leading query blocks in each node's L1 ∪ L2, aligned with `node_ids`."""
+
+    def __len__(self) -> int:
+        """Number of nodes with l12 > 0."""
+
+@final
+class KvDirectory:
+    """Cluster-wide directory of KV blocks: holders per tier, branch counts, eviction order."""
+
+    def __init__(self) -> None: ...
+    def store(
+        self,
+        node: int,
+        tier: Tier,
+        hashes: Sequence[int],
+        parent: int | None = None,
+        now: float | None = None,
+    ) -> None: ...
+    def remove(self, node: int, tier: Tier, hashes: Sequence[int]) -> None: ...
+    def clear(self, node: int, tier: Tier | None = None) -> None: ...
+    def match(self, hashes: Sequence[int]) -> PrefixMatch: ...
+    def touch(self, node: int, hashes: Sequence[int], now: float | None = None) -> None: ...
+    def branch_set(self, branch: Branch, hashes: Sequence[int], version: int | None = None) -> bool: ...
+    def branch_fork(self, src: Branch, dst: Branch) -> None: ...
+    def branch_end(self, branch: Branch) -> bool: ...
+    def refcount(self, h: int) -> int: ...
+    def eviction_order(self, node: int, tier: Tier, limit: int | None = None) -> list[int]: ...
+    def evict(self, node: int, tier: Tier, n: int) -> list[int]: ...
+    def apply_events(self, node: int, payload: bytes) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def __len__(self) -> int:
+        """Number of known blocks (held or referenced by a branch)."""
+
+    def __contains__(self, h: int) -> bool: ...

@@ -1,0 +1,115 @@
+//! Argument conversion: Python values to the core's types, before any lock is taken or the GIL
+//! is released (tokenizers' habit: convert first, then detach).
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use numpy::PyReadonlyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyList, PyString, PyTuple};
+
+use kvdir::{BlockHash, BranchId, Error, NodeId, Tier};
+
+use crate::errors::to_py;
+
+/// A hash from one Python int; ints outside the signed 64-bit range raise `HashRangeError`.
+pub(crate) fn hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    match obj.extract::<i64>() {
+        Ok(v) => Ok(v),
+        Err(e) if obj.is_instance_of::<PyInt>() => {
+            drop(e);
+            Err(to_py(
+                obj.py(),
+                Error::HashRange {
+                    value: obj.str()?.to_string(),
+                },
+            ))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A chain of hashes from a list, a tuple, an `int64` numpy array or any iterable of ints.
+pub(crate) fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(hash(&item)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().map(|item| hash(&item)).collect();
+    }
+    if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(array.as_array().to_vec());
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(pyo3::exceptions::PyTypeError::new_err(
+            "hashes must be ints, not a str",
+        ));
+    }
+    obj.try_iter()?.map(|item| hash(&item?)).collect()
+}
+
+pub(crate) fn node(py: Python<'_>, node: i64) -> PyResult<NodeId> {
+    kvdir::check_node(node).map_err(|e| to_py(py, e))
+}
+
+pub(crate) fn tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
+    tier.parse().map_err(|e| to_py(py, e))
+}
+
+pub(crate) fn count(py: Python<'_>, argument: &'static str, n: i64) -> PyResult<usize> {
+    usize::try_from(n).map_err(|_| {
+        to_py(
+            py,
+            Error::InvalidArgument {
+                argument,
+                reason: format!("{n} is negative"),
+            },
+        )
+    })
+}
+
+pub(crate) fn branch(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<BranchId> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(BranchId::Str(s.to_str()?.into()));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return obj.extract::<i64>().map(BranchId::Int).map_err(|_| {
+            to_py(
+                py,
+                Error::InvalidArgument {
+                    argument: "branch",
+                    reason: "int ids must fit 64 bits".into(),
+                },
+            )
+        });
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        "branch ids are str or int, not {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// Python's `time.monotonic()` clock (CLOCK_MONOTONIC), read without calling into Python: the
+/// offset between it and `Instant` is taken once, when the module loads.
+static CLOCK: OnceLock<(Instant, f64)> = OnceLock::new();
+
+pub(crate) fn init_clock(py: Python<'_>) -> PyResult<()> {
+    let t: f64 = py
+        .import("time")?
+        .getattr("monotonic")?
+        .call0()?
+        .extract()?;
+    let _ = CLOCK.set((Instant::now(), t));
+    Ok(())
+}
+
+pub(crate) fn now(now: Option<f64>) -> f64 {
+    now.unwrap_or_else(|| {
+        let (origin, base) = CLOCK.get().expect("clock set at module init");
+        base + origin.elapsed().as_secs_f64()
+    })
+}

@@ -1,0 +1,47 @@
+//! PyO3 bindings of `kvdir`: the native module `evolving_infra._core`. Thin wrappers only:
+//! arguments are converted here, the work happens in the core crate, errors are converted in
+//! `errors.rs`.
+
+mod convert;
+mod directory;
+mod errors;
+
+use pyo3::prelude::*;
+
+/// SGLang 0.5.23 page hashes of every full page of `token_ids` (signed 64-bit ints).
+#[pyfunction]
+#[pyo3(signature = (token_ids, page_size))]
+fn block_hashes(py: Python<'_>, token_ids: Vec<i64>, page_size: i64) -> PyResult<Vec<i64>> {
+    let page_size = convert::count(py, "page_size", page_size)?;
+    let tokens: Vec<u32> = token_ids
+        .iter()
+        .map(|&t| u32::try_from(t))
+        .collect::<Result<_, _>>()
+        .map_err(|_| {
+            errors::to_py(
+                py,
+                kvdir::Error::InvalidArgument {
+                    argument: "token_ids",
+                    reason: "token ids must be in [0, 2^32)".into(),
+                },
+            )
+        })?;
+    // Hashing a long prompt is the one pure-CPU call here that can take milliseconds.
+    let out = if tokens.len() > 4096 {
+        py.detach(|| kvdir::block_hashes(&tokens, page_size))
+    } else {
+        kvdir::block_hashes(&tokens, page_size)
+    };
+    out.map_err(|e| errors::to_py(py, e))
+}
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    convert::init_clock(m.py())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_class::<directory::KvDirectory>()?;
+    m.add_class::<directory::PrefixMatch>()?;
+    errors::register(m)?;
+    Ok(())
+}

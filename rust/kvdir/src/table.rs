@@ -1,0 +1,195 @@
+//! Block storage: a slab of [`Block`] records addressed by `u32` and a hash table from block hash
+//! to slab index.
+//!
+//! NOTE: the table stores only the 4-byte slab index; equality is checked against the slab's
+//! copy of the hash. With hashbrown's one control byte per bucket this costs ~5 bytes per bucket
+//! instead of 17 for a `HashMap<i64, u32>`, which is what keeps memory per block below Dynamo's.
+
+use hashbrown::HashTable;
+use smallvec::SmallVec;
+
+use crate::{BlockHash, Place};
+
+/// "No block": the parent of a first page, the end of a child list.
+pub(crate) const NIL: u32 = u32::MAX;
+
+/// Marks a slab slot whose block was dropped (kept in `depth`, which real blocks never reach).
+const FREED: u32 = u32::MAX;
+
+/// One holding of a block: a (node, tier) pair, its last-access time and how many of the block's
+/// children the same place holds (0 means the block is an eviction candidate there).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Holder {
+    pub(crate) place: Place,
+    pub(crate) held_children: u32,
+    pub(crate) time: f64,
+}
+
+/// A known block. Children form a doubly linked sibling list so that a child is unlinked in O(1)
+/// and a parent can count its held children when a place stores it after them.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub(crate) hash: BlockHash,
+    pub(crate) parent: u32,
+    pub(crate) depth: u32,
+    pub(crate) first_child: u32,
+    pub(crate) next_sibling: u32,
+    pub(crate) prev_sibling: u32,
+    /// `R_b`: live branches whose context contains the block.
+    pub(crate) refcount: u32,
+    /// Sorted by place; one holder lives inline (the common case of a chain on one node).
+    pub(crate) holders: SmallVec<[Holder; 1]>,
+}
+
+impl Block {
+    pub(crate) fn holder(&self, place: Place) -> Option<&Holder> {
+        self.holders.iter().find(|h| h.place == place)
+    }
+
+    pub(crate) fn holder_mut(&mut self, place: Place) -> Option<&mut Holder> {
+        self.holders.iter_mut().find(|h| h.place == place)
+    }
+}
+
+#[inline]
+fn fold(hash: BlockHash) -> u64 {
+    // Real hashes are SHA-256 prefixes and already uniform, but tests and traces use small ints:
+    // a multiply spreads them over hashbrown's high (tag) and low (bucket) bits alike.
+    let x = (hash as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^ (x >> 29)
+}
+
+/// Slab + index.
+#[derive(Default)]
+pub(crate) struct Blocks {
+    slab: Vec<Block>,
+    free: Vec<u32>,
+    index: HashTable<u32>,
+}
+
+impl Blocks {
+    #[inline]
+    pub(crate) fn find(&self, hash: BlockHash) -> Option<u32> {
+        let slab = &self.slab;
+        self.index
+            .find(fold(hash), |&i| slab[i as usize].hash == hash)
+            .copied()
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, idx: u32) -> &Block {
+        &self.slab[idx as usize]
+    }
+
+    #[inline]
+    pub(crate) fn get_mut(&mut self, idx: u32) -> &mut Block {
+        &mut self.slab[idx as usize]
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Slots in the slab, live or freed.
+    pub(crate) fn slab_len(&self) -> usize {
+        self.slab.len()
+    }
+
+    pub(crate) fn is_live(&self, idx: u32) -> bool {
+        self.slab
+            .get(idx as usize)
+            .is_some_and(|b| b.depth != FREED)
+    }
+
+    /// Inserts a new block (the caller checked it is unknown) under `parent` (or `NIL`).
+    pub(crate) fn insert(&mut self, hash: BlockHash, parent: u32) -> u32 {
+        let (depth, next_sibling) = if parent == NIL {
+            (0, NIL)
+        } else {
+            let p = self.get(parent);
+            (p.depth + 1, p.first_child)
+        };
+        let block = Block {
+            hash,
+            parent,
+            depth,
+            first_child: NIL,
+            next_sibling,
+            prev_sibling: NIL,
+            refcount: 0,
+            holders: SmallVec::new(),
+        };
+        let idx = if let Some(idx) = self.free.pop() {
+            self.slab[idx as usize] = block;
+            idx
+        } else {
+            let idx = u32::try_from(self.slab.len()).expect("fewer than 2^32 blocks");
+            assert!(idx != NIL, "directory is full (2^32 - 1 blocks)");
+            self.slab.push(block);
+            idx
+        };
+        if parent != NIL {
+            if next_sibling != NIL {
+                self.get_mut(next_sibling).prev_sibling = idx;
+            }
+            self.get_mut(parent).first_child = idx;
+        }
+        let slab = &self.slab;
+        self.index
+            .insert_unique(fold(hash), idx, |&i| fold(slab[i as usize].hash));
+        idx
+    }
+
+    /// Drops a block that has no children, unlinking it from its parent. Returns the parent.
+    pub(crate) fn drop_block(&mut self, idx: u32) -> u32 {
+        let b = self.get(idx);
+        debug_assert!(b.first_child == NIL && b.holders.is_empty() && b.refcount == 0);
+        let (hash, parent, prev, next) = (b.hash, b.parent, b.prev_sibling, b.next_sibling);
+        if prev != NIL {
+            self.get_mut(prev).next_sibling = next;
+        } else if parent != NIL {
+            self.get_mut(parent).first_child = next;
+        }
+        if next != NIL {
+            self.get_mut(next).prev_sibling = prev;
+        }
+        let slab = &self.slab;
+        if let Ok(entry) = self
+            .index
+            .find_entry(fold(hash), |&i| slab[i as usize].hash == hash)
+        {
+            entry.remove();
+        }
+        let b = self.get_mut(idx);
+        b.depth = FREED;
+        b.holders = SmallVec::new();
+        self.free.push(idx);
+        parent
+    }
+
+    /// Indices of `idx`'s children.
+    pub(crate) fn children(&self, idx: u32) -> impl Iterator<Item = u32> + '_ {
+        let mut next = self.get(idx).first_child;
+        std::iter::from_fn(move || {
+            (next != NIL).then(|| {
+                let cur = next;
+                next = self.get(cur).next_sibling;
+                cur
+            })
+        })
+    }
+
+    /// Bytes held by the slab, the free list, spilled holder vectors and the hash table.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        let spilled: usize = self
+            .slab
+            .iter()
+            .filter(|b| b.holders.spilled())
+            .map(|b| b.holders.capacity() * std::mem::size_of::<Holder>())
+            .sum();
+        self.slab.capacity() * std::mem::size_of::<Block>()
+            + self.free.capacity() * 4
+            + self.index.capacity() * (std::mem::size_of::<u32>() + 1)
+            + spilled
+    }
+}
