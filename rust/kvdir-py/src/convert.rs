@@ -93,7 +93,7 @@ pub(crate) fn branch(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<BranchI
     )))
 }
 
-/// Python's `time.monotonic()` clock (CLOCK_MONOTONIC), read without calling into Python: the
+/// Python's `time.monotonic()` clock (`CLOCK_MONOTONIC`), read without calling into Python: the
 /// offset between it and `Instant` is taken once, when the module loads.
 static CLOCK: OnceLock<(Instant, f64)> = OnceLock::new();
 

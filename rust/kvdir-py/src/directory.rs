@@ -106,7 +106,7 @@ impl KvDirectory {
         let tier = convert::tier(py, tier)?;
         let hashes = convert::hashes(hashes)?;
         self.write(py, hashes.len() > LONG_CALL, |d| {
-            d.remove(node, tier, &hashes)
+            d.remove(node, tier, &hashes);
         });
         Ok(())
     }
@@ -205,7 +205,7 @@ impl KvDirectory {
         Ok(self.write(py, false, |d| d.branch_end(&id)))
     }
 
-    /// R_b: live branches whose context contains `h` (0 if unknown).
+    /// `R_b`: live branches whose context contains `h` (0 if unknown).
     fn refcount(&self, py: Python<'_>, h: &Bound<'_, PyAny>) -> PyResult<u32> {
         let h = convert::hash(h)?;
         Ok(self.read(py, false, |d| d.refcount(h)))
@@ -261,7 +261,7 @@ impl KvDirectory {
     }
 
     /// Sizes of the directory: blocks, placeholders, locations (per tier), nodes, branches,
-    /// candidates, events_skipped, memory_bytes.
+    /// candidates, `events_skipped`, `memory_bytes`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.read(py, true, Directory::stats);
         let d = PyDict::new(py);
@@ -294,10 +294,7 @@ pub(crate) struct PrefixMatch {
     inner: kvdir::PrefixMatch,
 }
 
-fn int64_array<'py>(
-    py: Python<'py>,
-    values: impl Iterator<Item = i64>,
-) -> Bound<'py, PyArray1<i64>> {
+fn int64_array(py: Python<'_>, values: impl Iterator<Item = i64>) -> Bound<'_, PyArray1<i64>> {
     values.collect::<Vec<i64>>().into_pyarray(py)
 }
 

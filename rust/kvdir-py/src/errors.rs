@@ -114,7 +114,7 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let msg = e.to_string();
     let int = |v: i64| {
         v.into_pyobject(py)
-            .map(|b| b.into_any())
+            .map(pyo3::Bound::into_any)
             .expect("ints convert")
     };
     let opt = |v: Option<i64>| v.map_or_else(|| py.None().into_bound(py), int);

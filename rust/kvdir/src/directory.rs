@@ -107,7 +107,10 @@ impl Directory {
     // ---- validation -------------------------------------------------------------------------
 
     /// The recorded parent of `hash`: `None` if unknown, `Some(None)` for a first page.
-    #[allow(clippy::option_option, reason = "unknown vs first page vs child: the three cases")]
+    #[allow(
+        clippy::option_option,
+        reason = "unknown vs first page vs child: the three cases"
+    )]
     fn known_parent(
         &self,
         hash: BlockHash,

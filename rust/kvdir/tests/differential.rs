@@ -1,0 +1,294 @@
+//! Differential test: random operation streams applied to `kvdir::Directory` and to the
+//! reference model of `common::reference`, compared after every step (proptest shrinks a failing
+//! stream to a minimal one). Hashes come from a small fixed forest (±1..=20, parent h/2) so that
+//! chains share prefixes, plus arbitrary chains that exercise validation errors.
+
+#![allow(
+    clippy::many_single_char_names,
+    reason = "d: directory, r: reference, as in the module docs"
+)]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::msgpack::{self, V};
+use common::reference::{same_kind, RefEvent, Reference};
+use kvdir::{BranchId, Directory, Tier};
+use proptest::prelude::*;
+
+const NODES: u32 = 3;
+const UNIVERSE: i64 = 20;
+
+fn universe_parent(h: i64) -> Option<i64> {
+    (h.abs() >= 2).then(|| h.signum() * (h.abs() / 2))
+}
+
+/// The path from the root of `h`'s tree down to `h`.
+fn path_to(h: i64) -> Vec<i64> {
+    let mut p = vec![h];
+    while let Some(x) = universe_parent(*p.last().unwrap()) {
+        p.push(x);
+    }
+    p.reverse();
+    p
+}
+
+fn tier() -> impl Strategy<Value = Tier> {
+    prop_oneof![Just(Tier::L1), Just(Tier::L2)]
+}
+
+fn hash() -> impl Strategy<Value = i64> {
+    (1..=UNIVERSE, any::<bool>()).prop_map(|(h, neg)| if neg { -h } else { h })
+}
+
+/// A consistent chain (a downward path of the forest) with its true parent, or an arbitrary one.
+fn chain() -> impl Strategy<Value = (Vec<i64>, Option<i64>)> {
+    prop_oneof![
+        4 => (hash(), 0usize..5).prop_map(|(end, len)| {
+            let path = path_to(end);
+            let start = path.len().saturating_sub(len.max(1));
+            let parent = start.checked_sub(1).map(|i| path[i]);
+            (path[start..].to_vec(), parent)
+        }),
+        1 => (prop::collection::vec(hash(), 0..4), prop::option::of(hash())),
+    ]
+}
+
+/// A chain from a first page (for match, touch, branches).
+fn rooted() -> impl Strategy<Value = Vec<i64>> {
+    prop_oneof![
+        4 => (hash(), 0usize..6).prop_map(|(end, len)| {
+            let path = path_to(end);
+            path[..len.min(path.len())].to_vec()
+        }),
+        1 => prop::collection::vec(hash(), 0..4),
+    ]
+}
+
+fn branch() -> impl Strategy<Value = BranchId> {
+    prop_oneof![
+        (0i64..3).prop_map(BranchId::Int),
+        Just(BranchId::Str("agent".into()))
+    ]
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store(u32, Tier, Vec<i64>, Option<i64>),
+    Remove(u32, Tier, Vec<i64>),
+    Clear(u32, Option<Tier>),
+    Touch(u32, Vec<i64>),
+    BranchSet(BranchId, Vec<i64>, Option<i64>),
+    BranchFork(BranchId, BranchId),
+    BranchEnd(BranchId),
+    Evict(u32, Tier, usize),
+    Events(u32, Vec<RefEvent>, bool),
+}
+
+fn medium() -> impl Strategy<Value = (Option<&'static str>, Option<Tier>)> {
+    prop_oneof![
+        Just((None, Some(Tier::L1))),
+        Just((Some("GPU"), Some(Tier::L1))),
+        Just((Some("CPU_PINNED"), Some(Tier::L2))),
+        Just((Some("CPU"), Some(Tier::L2))),
+        Just((Some("DISK"), None)),
+    ]
+}
+
+fn event() -> impl Strategy<Value = (RefEvent, Option<&'static str>)> {
+    prop_oneof![
+        4 => (chain(), medium()).prop_map(|((hs, p), (m, t))| (RefEvent::Stored(hs, p, t), m)),
+        2 => (prop::collection::vec(hash(), 0..3), medium()).prop_map(|(hs, (m, t))| (RefEvent::Removed(hs, t), m)),
+        1 => Just((RefEvent::Cleared, None)),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let node = 0..NODES;
+    prop_oneof![
+        6 => (node.clone(), tier(), chain()).prop_map(|(n, t, (c, p))| Op::Store(n, t, c, p)),
+        2 => (node.clone(), tier(), prop::collection::vec(hash(), 0..4)).prop_map(|(n, t, c)| Op::Remove(n, t, c)),
+        1 => (node.clone(), prop::option::of(tier())).prop_map(|(n, t)| Op::Clear(n, t)),
+        2 => (node.clone(), rooted()).prop_map(|(n, c)| Op::Touch(n, c)),
+        3 => (branch(), rooted(), prop::option::of(0i64..4)).prop_map(|(b, c, v)| Op::BranchSet(b, c, v)),
+        1 => (branch(), branch()).prop_map(|(a, b)| Op::BranchFork(a, b)),
+        1 => branch().prop_map(Op::BranchEnd),
+        2 => (node.clone(), tier(), 0usize..4).prop_map(|(n, t, k)| Op::Evict(n, t, k)),
+        2 => (node, prop::collection::vec(event(), 0..4), any::<bool>()).prop_map(|(n, evs, positional)| {
+            // Mediums are folded into the events' tiers; keep the wire spelling for encoding.
+            let mut events = Vec::new();
+            let mut wire = Vec::new();
+            for (e, m) in evs {
+                wire.push(match &e {
+                    RefEvent::Stored(hs, p, _) => if positional { msgpack::stored_positional(hs, *p, m) } else { msgpack::stored_map(hs, *p, m) },
+                    RefEvent::Removed(hs, _) => if positional { msgpack::removed_positional(hs, m) } else { msgpack::removed_map(hs, m) },
+                    RefEvent::Cleared => if positional { V::Arr(vec![msgpack::s("AllBlocksCleared")]) } else { msgpack::cleared_map() },
+                });
+                events.push(e);
+            }
+            let _ = wire;
+            Op::Events(n, events, positional)
+        }),
+    ]
+}
+
+/// Re-encodes reference events (positional or map), mediums chosen to match their tiers.
+fn encode(events: &[RefEvent], positional: bool) -> Vec<u8> {
+    let med = |t: &Option<Tier>| match t {
+        Some(Tier::L1) => Some("GPU"),
+        Some(Tier::L2) => Some("CPU_PINNED"),
+        None => Some("DISK"),
+    };
+    msgpack::batch(
+        events
+            .iter()
+            .map(|e| match e {
+                RefEvent::Stored(hs, p, t) if positional => {
+                    msgpack::stored_positional(hs, *p, med(t))
+                }
+                RefEvent::Stored(hs, p, t) => msgpack::stored_map(hs, *p, med(t)),
+                RefEvent::Removed(hs, t) if positional => msgpack::removed_positional(hs, med(t)),
+                RefEvent::Removed(hs, t) => msgpack::removed_map(hs, med(t)),
+                RefEvent::Cleared if positional => V::Arr(vec![msgpack::s("AllBlocksCleared")]),
+                RefEvent::Cleared => msgpack::cleared_map(),
+            })
+            .collect(),
+    )
+}
+
+fn compare(d: &Directory, r: &Reference) -> Result<(), TestCaseError> {
+    d.check_invariants();
+    prop_assert_eq!(d.len(), r.parent.len(), "known blocks");
+    for h in (-UNIVERSE..=UNIVERSE).filter(|&h| h != 0) {
+        prop_assert_eq!(d.contains(h), r.parent.contains_key(&h), "contains {}", h);
+        prop_assert_eq!(d.refcount(h), r.refcount(h), "refcount {}", h);
+        let q = path_to(h);
+        let m = d.match_prefix(&q);
+        let (nodes, pool, cluster) = r.match_prefix(&q);
+        let got: BTreeMap<u32, (u32, u32)> = m
+            .node_ids
+            .iter()
+            .zip(m.l1.iter().zip(&m.l12))
+            .map(|(&n, (&a, &b))| (n, (a, b)))
+            .collect();
+        prop_assert_eq!(got, nodes, "match nodes {:?}", q);
+        prop_assert_eq!((m.pool, m.cluster), (pool, cluster), "pool/cluster {:?}", q);
+    }
+    for node in 0..NODES {
+        for t in Tier::ALL {
+            prop_assert_eq!(
+                d.eviction_order(node, t, None),
+                r.eviction_order(node, t),
+                "order {} {:?}",
+                node,
+                t
+            );
+        }
+    }
+    Ok(())
+}
+
+fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let mut d = Directory::new();
+    let mut r = Reference::default();
+    for (step, op) in ops.into_iter().enumerate() {
+        // Half-steps make equal times common, so the depth and hash tie-breaks get exercised.
+        let now = (step / 2) as f64;
+        match op {
+            Op::Store(n, t, c, p) => {
+                let (a, b) = (d.store(n, t, &c, p, now), r.store(n, t, &c, p, now));
+                if let (Err(x), Err(y)) = (&a, &b) {
+                    prop_assert!(same_kind(x, y), "{:?} vs {:?}", x, y);
+                } else {
+                    prop_assert_eq!(a.is_ok(), b.is_ok(), "store {:?} {:?}", a, b);
+                }
+            }
+            Op::Remove(n, t, c) => {
+                d.remove(n, t, &c);
+                r.remove(n, t, &c);
+            }
+            Op::Clear(n, t) => {
+                d.clear(n, t);
+                r.clear(n, t);
+            }
+            Op::Touch(n, c) => {
+                d.touch(n, &c, now).unwrap();
+                r.touch(n, &c, now);
+            }
+            Op::BranchSet(b, c, v) => {
+                let (x, y) = (d.branch_set(b.clone(), &c, v), r.branch_set(b, &c, v));
+                if let (Err(e), Err(f)) = (&x, &y) {
+                    prop_assert!(same_kind(e, f));
+                } else {
+                    prop_assert_eq!(x, y);
+                }
+            }
+            Op::BranchFork(a, b) => {
+                let (x, y) = (d.branch_fork(&a, b.clone()), r.branch_fork(&a, b));
+                if let (Err(e), Err(f)) = (&x, &y) {
+                    prop_assert!(same_kind(e, f));
+                } else {
+                    prop_assert_eq!(x.is_ok(), y.is_ok());
+                }
+            }
+            Op::BranchEnd(b) => prop_assert_eq!(d.branch_end(&b), r.branch_end(&b)),
+            Op::Evict(n, t, k) => prop_assert_eq!(d.evict(n, t, k), r.evict(n, t, k)),
+            Op::Events(n, evs, positional) => {
+                let before = (d.len(), d.stats());
+                let x = d.apply_events(n, &encode(&evs, positional), now);
+                let y = r.apply(n, &evs, now);
+                if let (Err(e), Err(f)) = (&x, &y) {
+                    prop_assert!(same_kind(e, f), "{:?} vs {:?}", e, f);
+                    prop_assert_eq!(
+                        before,
+                        (d.len(), d.stats()),
+                        "a refused batch changed state"
+                    );
+                } else {
+                    prop_assert_eq!(x, y);
+                }
+            }
+        }
+        compare(&d, &r)?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn directory_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
+        run(ops)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Arbitrary bytes never panic the decoder, and a refused batch changes nothing.
+    #[test]
+    fn arbitrary_event_bytes_are_refused_cleanly(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+        let mut d = Directory::new();
+        d.store(0, Tier::L1, &[1, 2, 3], None, 0.0).unwrap();
+        let before = d.stats();
+        if d.apply_events(0, &bytes, 1.0).is_err() {
+            prop_assert_eq!(before, d.stats());
+        }
+        d.check_invariants();
+    }
+
+    /// Every strict prefix of a valid batch is refused (truncation is always detected).
+    #[test]
+    fn truncated_batches_are_refused(cut in 0usize..1000) {
+        let payload = msgpack::batch(vec![
+            msgpack::stored_map(&[1, 2, 3], None, Some("GPU")),
+            msgpack::removed_map(&[3], Some("GPU")),
+        ]);
+        let cut = cut % payload.len();
+        let mut d = Directory::new();
+        prop_assert!(d.apply_events(0, &payload[..cut], 0.0).is_err());
+        prop_assert!(d.is_empty());
+    }
+}
