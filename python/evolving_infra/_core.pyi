@@ -13,6 +13,22 @@ import numpy.typing as npt
 Tier = Literal["L1", "L2"]
 Branch = str | int
 
+__all__ = [
+    "BranchExistsError",
+    "DuplicateHashError",
+    "EventDecodeError",
+    "HashRangeError",
+    "InvalidArgumentError",
+    "KvDirectory",
+    "KvDirectoryError",
+    "ParentMismatchError",
+    "PrefixMatch",
+    "UnknownBranchError",
+    "UnknownParentError",
+    "__version__",
+    "block_hashes",
+]
+
 __version__: Final[str]
 
 def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
@@ -89,7 +105,7 @@ class PrefixMatch:
 
     @property
     def l12(self) -> npt.NDArray[np.int64]:
-        """Leading query blocks in each node's L1 ∪ L2, aligned with `node_ids`."""
+        """Leading query blocks in each node's L1 or L2, aligned with `node_ids`."""
 
     def __len__(self) -> int:
         """Number of nodes with l12 > 0."""
@@ -111,15 +127,17 @@ class KvDirectory:
     def clear(self, node: int, tier: Tier | None = None) -> None: ...
     def match(self, hashes: Sequence[int]) -> PrefixMatch: ...
     def touch(self, node: int, hashes: Sequence[int], now: float | None = None) -> None: ...
-    def branch_set(self, branch: Branch, hashes: Sequence[int], version: int | None = None) -> bool: ...
+    def branch_set(
+        self, branch: Branch, hashes: Sequence[int], version: int | None = None
+    ) -> bool: ...
     def branch_fork(self, src: Branch, dst: Branch) -> None: ...
     def branch_end(self, branch: Branch) -> bool: ...
     def refcount(self, h: int) -> int: ...
     def eviction_order(self, node: int, tier: Tier, limit: int | None = None) -> list[int]: ...
     def evict(self, node: int, tier: Tier, n: int) -> list[int]: ...
-    def apply_events(self, node: int, payload: bytes) -> int: ...
+    def apply_events(self, node: int, payload: bytes, now: float | None = None) -> int: ...
     def stats(self) -> dict[str, int]: ...
     def __len__(self) -> int:
         """Number of known blocks (held or referenced by a branch)."""
 
-    def __contains__(self, h: int) -> bool: ...
+    def __contains__(self, h: int, /) -> bool: ...

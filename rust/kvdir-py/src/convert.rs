@@ -5,6 +5,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::PyReadonlyArray1;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyString, PyTuple};
 
@@ -29,14 +30,52 @@ pub(crate) fn hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     }
 }
 
+/// `PyLong_AsLong` where C's `long` is 64 bits: CPython 3.11's `PyLong_AsLongLong` goes through
+/// `_PyLong_AsByteArray` for multi-digit ints (every real page hash), about 25 ns an int.
+#[cfg(all(target_pointer_width = "64", not(windows)))]
+unsafe fn as_i64(obj: *mut ffi::PyObject) -> i64 {
+    // SAFETY: forwarded from the caller (a valid object, GIL held).
+    i64::from(unsafe { ffi::PyLong_AsLong(obj) })
+}
+
+#[cfg(not(all(target_pointer_width = "64", not(windows))))]
+unsafe fn as_i64(obj: *mut ffi::PyObject) -> i64 {
+    // SAFETY: forwarded from the caller (a valid object, GIL held).
+    unsafe { ffi::PyLong_AsLongLong(obj) }
+}
+
+/// The common case, a list of ints, read through the C API: pyo3's per-item `extract` costs
+/// ~35 ns an item, which made list conversion the largest part of a 100-block `match`.
+fn list_of_hashes(list: &Bound<'_, PyList>) -> PyResult<Vec<BlockHash>> {
+    let n = list.len();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: `list` is a list (checked by the cast) of length n, the GIL is held, so item i
+        // is a valid borrowed reference; `as_i64` accepts any object and reports
+        // failure through the error indicator, which is checked right after.
+        let v = unsafe {
+            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+            let v = as_i64(item);
+            if v == -1 && !ffi::PyErr_Occurred().is_null() {
+                let err = PyErr::fetch(list.py());
+                let item = Bound::from_borrowed_ptr(list.py(), item);
+                return Err(if item.is_instance_of::<PyInt>() {
+                    hash(&item).unwrap_err()
+                } else {
+                    err
+                });
+            }
+            v
+        };
+        out.push(v);
+    }
+    Ok(out)
+}
+
 /// A chain of hashes from a list, a tuple, an `int64` numpy array or any iterable of ints.
 pub(crate) fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
     if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for item in list.iter() {
-            out.push(hash(&item)?);
-        }
-        return Ok(out);
+        return list_of_hashes(list);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         return tuple.iter().map(|item| hash(&item)).collect();
@@ -52,18 +91,32 @@ pub(crate) fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
     obj.try_iter()?.map(|item| hash(&item?)).collect()
 }
 
-pub(crate) fn node(py: Python<'_>, node: i64) -> PyResult<NodeId> {
-    kvdir::check_node(node).map_err(|e| to_py(py, e))
+/// An int argument; ints beyond 64 bits raise `InvalidArgumentError` naming it (not a bare
+/// `OverflowError`), other types raise `TypeError`.
+fn int_arg(obj: &Bound<'_, PyAny>, argument: &'static str) -> PyResult<i64> {
+    obj.extract::<i64>().map_err(|e| {
+        if obj.is_instance_of::<PyInt>() {
+            let reason = format!("{obj} does not fit 64 bits");
+            to_py(obj.py(), Error::InvalidArgument { argument, reason })
+        } else {
+            e
+        }
+    })
+}
+
+pub(crate) fn node(obj: &Bound<'_, PyAny>) -> PyResult<NodeId> {
+    kvdir::check_node(int_arg(obj, "node")?).map_err(|e| to_py(obj.py(), e))
 }
 
 pub(crate) fn tier(py: Python<'_>, tier: &str) -> PyResult<Tier> {
     tier.parse().map_err(|e| to_py(py, e))
 }
 
-pub(crate) fn count(py: Python<'_>, argument: &'static str, n: i64) -> PyResult<usize> {
+pub(crate) fn count(obj: &Bound<'_, PyAny>, argument: &'static str) -> PyResult<usize> {
+    let n = int_arg(obj, argument)?;
     usize::try_from(n).map_err(|_| {
         to_py(
-            py,
+            obj.py(),
             Error::InvalidArgument {
                 argument,
                 reason: format!("{n} is negative"),

@@ -74,13 +74,13 @@ impl KvDirectory {
     fn store(
         &self,
         py: Python<'_>,
-        node: i64,
+        node: &Bound<'_, PyAny>,
         tier: &str,
         hashes: &Bound<'_, PyAny>,
         parent: Option<&Bound<'_, PyAny>>,
         now: Option<f64>,
     ) -> PyResult<()> {
-        let node = convert::node(py, node)?;
+        let node = convert::node(node)?;
         let tier = convert::tier(py, tier)?;
         let hashes = convert::hashes(hashes)?;
         let parent = parent
@@ -98,11 +98,11 @@ impl KvDirectory {
     fn remove(
         &self,
         py: Python<'_>,
-        node: i64,
+        node: &Bound<'_, PyAny>,
         tier: &str,
         hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let node = convert::node(py, node)?;
+        let node = convert::node(node)?;
         let tier = convert::tier(py, tier)?;
         let hashes = convert::hashes(hashes)?;
         self.write(py, hashes.len() > LONG_CALL, |d| {
@@ -113,8 +113,8 @@ impl KvDirectory {
 
     /// Drops everything `node` holds (in `tier`, or in both tiers when `tier` is None).
     #[pyo3(signature = (node, tier=None))]
-    fn clear(&self, py: Python<'_>, node: i64, tier: Option<&str>) -> PyResult<()> {
-        let node = convert::node(py, node)?;
+    fn clear(&self, py: Python<'_>, node: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<()> {
+        let node = convert::node(node)?;
         let tier = tier_opt(py, tier)?;
         self.write(py, true, |d| d.clear(node, tier));
         Ok(())
@@ -133,11 +133,11 @@ impl KvDirectory {
     fn touch(
         &self,
         py: Python<'_>,
-        node: i64,
+        node: &Bound<'_, PyAny>,
         hashes: &Bound<'_, PyAny>,
         now: Option<f64>,
     ) -> PyResult<()> {
-        let node = convert::node(py, node)?;
+        let node = convert::node(node)?;
         let hashes = convert::hashes(hashes)?;
         let now = convert::now(now);
         self.write(py, hashes.len() > LONG_CALL, |d| {
@@ -216,22 +216,31 @@ impl KvDirectory {
     fn eviction_order(
         &self,
         py: Python<'_>,
-        node: i64,
+        node: &Bound<'_, PyAny>,
         tier: &str,
-        limit: Option<i64>,
+        limit: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<i64>> {
-        let node = convert::node(py, node)?;
+        let node = convert::node(node)?;
         let tier = convert::tier(py, tier)?;
-        let limit = limit.map(|l| convert::count(py, "limit", l)).transpose()?;
+        let limit = limit
+            .filter(|l| !l.is_none())
+            .map(|l| convert::count(l, "limit"))
+            .transpose()?;
         let long = limit.is_none_or(|l| l > LONG_CALL);
         Ok(self.read(py, long, |d| d.eviction_order(node, tier, limit)))
     }
 
     /// Removes up to `n` blocks from `(node, tier)` in eviction order; returns them in order.
-    fn evict(&self, py: Python<'_>, node: i64, tier: &str, n: i64) -> PyResult<Vec<i64>> {
-        let node = convert::node(py, node)?;
+    fn evict(
+        &self,
+        py: Python<'_>,
+        node: &Bound<'_, PyAny>,
+        tier: &str,
+        n: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<i64>> {
+        let node = convert::node(node)?;
         let tier = convert::tier(py, tier)?;
-        let n = convert::count(py, "n", n)?;
+        let n = convert::count(n, "n")?;
         Ok(self.write(py, n > 64, |d| d.evict(node, tier, n)))
     }
 
@@ -241,11 +250,11 @@ impl KvDirectory {
     fn apply_events(
         &self,
         py: Python<'_>,
-        node: i64,
+        node: &Bound<'_, PyAny>,
         payload: &Bound<'_, PyBytes>,
         now: Option<f64>,
     ) -> PyResult<usize> {
-        let node = convert::node(py, node)?;
+        let node = convert::node(node)?;
         let bytes = payload.as_bytes();
         let now = convert::now(now);
         let long = bytes.len() > LONG_CALL;

@@ -63,19 +63,6 @@ create_exception!(
     "Event bytes that are not a valid SGLang `KVEventBatch`; `offset` is where decoding stopped."
 );
 
-/// Attributes each class declares (set to `None` on the class so that they exist before any
-/// instance does, as the stub says).
-const CLASS_ATTRIBUTES: &[(&str, &[&str])] = &[
-    ("UnknownParentError", &["parent"]),
-    ("ParentMismatchError", &["hash", "parent", "known_parent"]),
-    ("DuplicateHashError", &["hash"]),
-    ("HashRangeError", &["value"]),
-    ("UnknownBranchError", &["branch"]),
-    ("BranchExistsError", &["branch"]),
-    ("InvalidArgumentError", &["argument"]),
-    ("EventDecodeError", &["offset"]),
-];
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvDirectoryError", py.get_type::<KvDirectoryError>())?;
@@ -90,12 +77,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<InvalidArgumentError>(),
     )?;
     m.add("EventDecodeError", py.get_type::<EventDecodeError>())?;
-    for (class, attrs) in CLASS_ATTRIBUTES {
-        let cls = m.getattr(*class)?;
-        for attr in *attrs {
-            cls.setattr(*attr, py.None())?;
-        }
-    }
     Ok(())
 }
 

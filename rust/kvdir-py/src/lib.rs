@@ -11,8 +11,12 @@ use pyo3::prelude::*;
 /// SGLang 0.5.23 page hashes of every full page of `token_ids` (signed 64-bit ints).
 #[pyfunction]
 #[pyo3(signature = (token_ids, page_size))]
-fn block_hashes(py: Python<'_>, token_ids: Vec<i64>, page_size: i64) -> PyResult<Vec<i64>> {
-    let page_size = convert::count(py, "page_size", page_size)?;
+fn block_hashes(
+    py: Python<'_>,
+    token_ids: Vec<i64>,
+    page_size: &Bound<'_, PyAny>,
+) -> PyResult<Vec<i64>> {
+    let page_size = convert::count(page_size, "page_size")?;
     let tokens: Vec<u32> = token_ids
         .iter()
         .map(|&t| u32::try_from(t))

@@ -12,8 +12,9 @@ use hashbrown::HashMap;
 use crate::branches::Branch;
 use crate::events::{decode_batch, Event, EventBatch};
 use crate::eviction::{EvKey, PlaceState, CANDIDATE_BYTES};
-use crate::table::{Block, Blocks, Holder, NIL};
+use crate::table::{fold, Block, Blocks, Holder, NIL};
 use crate::{check_time, BlockHash, BranchId, Error, NodeId, Place, Result, Tier};
+use hashbrown::HashTable;
 
 /// How much of a query chain each place holds (the result of [`Directory::match_prefix`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -63,7 +64,7 @@ type Overlay = HashMap<BlockHash, Option<BlockHash>>;
 #[derive(Default)]
 pub struct Directory {
     pub(crate) blocks: Blocks,
-    places: HashMap<Place, PlaceState>,
+    pub(crate) places: HashMap<Place, PlaceState>,
     pub(crate) branches: HashMap<BranchId, Branch>,
     /// While applying an event batch, blocks that may have become garbage; collected at the end
     /// so that a batch can be validated as a whole before it starts.
@@ -138,12 +139,8 @@ impl Directory {
                 return Err(Error::UnknownParent { parent: p });
             }
         }
-        if hashes.len() > 1 || parent.is_some() {
-            let mut sorted: Vec<BlockHash> = hashes.iter().copied().chain(parent).collect();
-            sorted.sort_unstable();
-            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-                return Err(Error::DuplicateHash { hash: w[0] });
-            }
+        if let Some(hash) = first_duplicate(hashes, parent) {
+            return Err(Error::DuplicateHash { hash });
         }
         let mut prev = parent;
         for &h in hashes {
@@ -167,178 +164,7 @@ impl Directory {
         Ok(())
     }
 
-    // ---- holders and the eviction index ----------------------------------------------------
-
-    fn key(&self, idx: u32, holder: &Holder) -> EvKey {
-        let b = self.blocks.get(idx);
-        EvKey::new(b.refcount > 0, holder.time, b.depth, b.hash, idx)
-    }
-
-    fn place_mut(&mut self, place: Place) -> &mut PlaceState {
-        self.places.entry(place).or_default()
-    }
-
-    fn unindex(&mut self, place: Place, key: &EvKey) {
-        let removed = self
-            .places
-            .get_mut(&place)
-            .is_some_and(|s| s.candidates.remove(key));
-        debug_assert!(
-            removed,
-            "candidate {key:?} missing from the index of {place:?}"
-        );
-    }
-
-    /// Holds `idx` at `place` with time `now` (refreshing it if already held). With `leaf_follows`
-    /// the caller guarantees a child of `idx` will be held at `place` before the call returns
-    /// (the next block of a stored chain), so `idx` is never entered in the index here. With
-    /// `parent_in_chain` the parent is the previous block of that chain, already out of the index.
-    fn add_holder(
-        &mut self,
-        idx: u32,
-        place: Place,
-        now: f64,
-        leaf_follows: bool,
-        parent_in_chain: bool,
-    ) {
-        let b = self.blocks.get(idx);
-        if let Some(pos) = b.holders.iter().position(|h| h.place == place) {
-            let old = b.holders[pos];
-            if old.held_children == 0 {
-                let key = self.key(idx, &old);
-                self.unindex(place, &key);
-            }
-            let h = &mut self.blocks.get_mut(idx).holders[pos];
-            h.time = now;
-            let h = *h;
-            if h.held_children == 0 && !leaf_follows {
-                let key = self.key(idx, &h);
-                self.place_mut(place).candidates.insert(key);
-            }
-            return;
-        }
-        let held_children = if b.first_child == NIL {
-            0
-        } else {
-            self.blocks
-                .children(idx)
-                .filter(|&c| self.blocks.get(c).holder(place).is_some())
-                .count() as u32
-        };
-        let parent = b.parent;
-        let holder = Holder {
-            place,
-            held_children,
-            time: now,
-        };
-        let holders = &mut self.blocks.get_mut(idx).holders;
-        let pos = holders.partition_point(|h| h.place < place);
-        holders.insert(pos, holder);
-        if parent != NIL {
-            self.child_held(parent, place, !parent_in_chain);
-        }
-        let key = (held_children == 0 && !leaf_follows).then(|| self.key(idx, &holder));
-        let state = self.place_mut(place);
-        state.held += 1;
-        if let Some(key) = key {
-            state.candidates.insert(key);
-        }
-    }
-
-    /// A child of `parent` became held at `place`.
-    fn child_held(&mut self, parent: u32, place: Place, maintain_index: bool) {
-        let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) else {
-            return;
-        };
-        ph.held_children += 1;
-        if ph.held_children == 1 && maintain_index {
-            let ph = *ph;
-            let key = self.key(parent, &ph);
-            self.unindex(place, &key);
-        }
-    }
-
-    /// `place` no longer holds `idx`. Returns whether it did. Garbage is not collected here.
-    fn remove_holder(&mut self, idx: u32, place: Place) -> bool {
-        let b = self.blocks.get(idx);
-        let Some(pos) = b.holders.iter().position(|h| h.place == place) else {
-            return false;
-        };
-        let old = b.holders[pos];
-        let parent = b.parent;
-        if old.held_children == 0 {
-            let key = self.key(idx, &old);
-            self.unindex(place, &key);
-        }
-        let holders = &mut self.blocks.get_mut(idx).holders;
-        holders.remove(pos);
-        if holders.len() <= 1 {
-            holders.shrink_to_fit();
-        }
-        if parent != NIL {
-            if let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) {
-                ph.held_children -= 1;
-                if ph.held_children == 0 {
-                    let ph = *ph;
-                    let key = self.key(parent, &ph);
-                    self.place_mut(place).candidates.insert(key);
-                }
-            }
-        }
-        let state = self
-            .places
-            .get_mut(&place)
-            .expect("a held block's place has a state");
-        state.held -= 1;
-        if state.held == 0 {
-            debug_assert!(state.candidates.is_empty());
-            self.places.remove(&place);
-        }
-        true
-    }
-
-    /// Sets the last-access time of a block already held at `place`.
-    fn refresh(&mut self, idx: u32, place: Place, now: f64) {
-        let Some(h) = self.blocks.get(idx).holder(place).copied() else {
-            return;
-        };
-        if h.held_children == 0 {
-            let key = self.key(idx, &h);
-            self.unindex(place, &key);
-        }
-        let h = self.blocks.get_mut(idx).holder_mut(place).expect("held");
-        h.time = now;
-        let h = *h;
-        if h.held_children == 0 {
-            let key = self.key(idx, &h);
-            self.place_mut(place).candidates.insert(key);
-        }
-    }
-
-    /// Re-keys a block's candidate entries when `R_b > 0` flips (the key's first field).
-    pub(crate) fn set_refcount(&mut self, idx: u32, refcount: u32) {
-        let b = self.blocks.get_mut(idx);
-        let flips = (b.refcount > 0) != (refcount > 0);
-        if !flips {
-            b.refcount = refcount;
-            return;
-        }
-        let holders: Vec<Holder> = b
-            .holders
-            .iter()
-            .filter(|h| h.held_children == 0)
-            .copied()
-            .collect();
-        for h in &holders {
-            let key = self.key(idx, h);
-            self.unindex(h.place, &key);
-        }
-        self.blocks.get_mut(idx).refcount = refcount;
-        for h in &holders {
-            let key = self.key(idx, h);
-            self.place_mut(h.place).candidates.insert(key);
-        }
-    }
+    // ---- garbage ---------------------------------------------------------------------------
 
     /// Drops `idx` if it is garbage (held nowhere, no branch, no children), then its parent, …
     pub(crate) fn collect(&mut self, mut idx: u32) {
@@ -380,21 +206,31 @@ impl Directory {
     ) -> Result<()> {
         let now = check_time(now)?;
         self.validate_chain(parent, hashes, None)?;
-        self.store_valid(Place::new(node, tier), hashes, parent, now);
+        self.store_valid(Place::new(node, tier), hashes, parent, now, true);
         Ok(())
     }
 
+    /// Stores a validated chain. `tail_is_new`: validation ran without an overlay, so once a hash
+    /// is unknown every later one is too and can be inserted without another look-up.
     fn store_valid(
         &mut self,
         place: Place,
         hashes: &[BlockHash],
         parent: Option<BlockHash>,
         now: f64,
+        tail_is_new: bool,
     ) {
         let mut prev = parent.map_or(NIL, |p| self.blocks.find(p).expect("validated parent"));
         let last = hashes.len().saturating_sub(1);
+        let mut known = true;
         for (i, &h) in hashes.iter().enumerate() {
-            let idx = self.find_or_insert(h, prev);
+            let idx = match known.then(|| self.blocks.find(h)).flatten() {
+                Some(idx) => idx,
+                None => {
+                    known = !tail_is_new;
+                    self.blocks.insert(h, prev)
+                }
+            };
             self.add_holder(idx, place, now, i < last, i > 0);
             prev = idx;
         }
@@ -431,98 +267,6 @@ impl Directory {
             }
             debug_assert!(!self.places.contains_key(&place));
         }
-    }
-
-    /// How much of the query chain (from its first page) each place holds.
-    #[must_use]
-    pub fn match_prefix(&self, hashes: &[BlockHash]) -> PrefixMatch {
-        // (node, l1, l12), ascending by node; an entry is still counting while l12 == i.
-        let mut active: Vec<(NodeId, u32, u32)> = Vec::new();
-        let mut alive = 0usize;
-        let (mut pool, mut cluster, mut pool_alive) = (0u32, 0u32, true);
-        let mut prev = NIL;
-        for (i, &h) in hashes.iter().enumerate() {
-            let Some(idx) = self.blocks.find(h) else {
-                break;
-            };
-            let b: &Block = self.blocks.get(idx);
-            if b.parent != prev || b.holders.is_empty() {
-                break;
-            }
-            prev = idx;
-            cluster += 1;
-            if pool_alive {
-                if b.holders.iter().any(|x| x.place.tier() == Tier::L2) {
-                    pool += 1;
-                } else {
-                    pool_alive = false;
-                }
-            }
-            let i = i as u32;
-            if i == 0 {
-                for x in &b.holders {
-                    let (node, in_l1) = (x.place.node(), u32::from(x.place.tier() == Tier::L1));
-                    match active.last_mut() {
-                        Some(e) if e.0 == node => e.1 |= in_l1,
-                        _ => active.push((node, in_l1, 1)),
-                    }
-                }
-                alive = active.len();
-            } else if alive > 0 {
-                // Merge the still-counting entries with this block's holders (both sorted).
-                let mut j = 0;
-                for e in active.iter_mut().filter(|e| e.2 == i) {
-                    while j < b.holders.len() && b.holders[j].place.node() < e.0 {
-                        j += 1;
-                    }
-                    let mut any = false;
-                    let mut in_l1 = false;
-                    while j < b.holders.len() && b.holders[j].place.node() == e.0 {
-                        any = true;
-                        in_l1 |= b.holders[j].place.tier() == Tier::L1;
-                        j += 1;
-                    }
-                    if any {
-                        e.2 += 1;
-                        if in_l1 && e.1 == i {
-                            e.1 += 1;
-                        }
-                    } else {
-                        alive -= 1;
-                    }
-                }
-            }
-        }
-        PrefixMatch {
-            node_ids: active.iter().map(|e| e.0).collect(),
-            l1: active.iter().map(|e| e.1).collect(),
-            l12: active.iter().map(|e| e.2).collect(),
-            pool,
-            cluster,
-        }
-    }
-
-    /// Last-access time := `now` for the leading query blocks `node` holds, in every tier it
-    /// holds them in; stops at the first block the node holds in no tier.
-    pub fn touch(&mut self, node: NodeId, hashes: &[BlockHash], now: f64) -> Result<()> {
-        let now = check_time(now)?;
-        let places = [Place::new(node, Tier::L1), Place::new(node, Tier::L2)];
-        let mut prev = NIL;
-        for &h in hashes {
-            let Some(idx) = self.blocks.find(h) else {
-                break;
-            };
-            let b = self.blocks.get(idx);
-            let held = places.map(|p| b.holder(p).is_some());
-            if b.parent != prev || !held.contains(&true) {
-                break;
-            }
-            for (p, _) in places.iter().zip(held).filter(|(_, held)| *held) {
-                self.refresh(idx, *p, now);
-            }
-            prev = idx;
-        }
-        Ok(())
     }
 
     /// The current eviction candidates of `(node, tier)`, first to evict first.
@@ -589,7 +333,7 @@ impl Directory {
                     parent,
                     tier: Some(tier),
                 } => {
-                    self.store_valid(Place::new(node, *tier), hashes, *parent, now);
+                    self.store_valid(Place::new(node, *tier), hashes, *parent, now, false);
                 }
                 Event::Removed {
                     hashes,
@@ -691,22 +435,57 @@ impl Directory {
                 b.holders.windows(2).all(|w| w[0].place < w[1].place),
                 "holders sorted"
             );
-            for h in &b.holders {
+            let parent = (b.parent != NIL).then(|| self.blocks.get(b.parent));
+            let (mut full_l1, mut full_node) = (0, 0);
+            for (i, h) in b.holders.iter().enumerate() {
+                let node = h.place.node();
+                let want_tier = h.place.tier() == Tier::L1
+                    && parent.is_none_or(|p| p.holder(h.place).is_some_and(Holder::root_tier));
+                assert_eq!(
+                    h.root_tier(),
+                    want_tier,
+                    "root_tier of {} at {:?}",
+                    b.hash,
+                    h.place
+                );
+                let want_node = parent.is_none_or(|p| {
+                    p.node_entries(node)
+                        .next()
+                        .is_some_and(|j| p.holders[j].root_node())
+                });
+                assert_eq!(
+                    h.root_node(),
+                    want_node,
+                    "root_node of {} at {:?}",
+                    b.hash,
+                    h.place
+                );
+                full_l1 += u32::from(h.root_tier());
+                let first_of_node = i == 0 || b.holders[i - 1].place.node() != node;
+                full_node += u32::from(h.root_node() && first_of_node);
                 let n = self
                     .blocks
                     .children(idx)
                     .filter(|&c| self.blocks.get(c).holder(h.place).is_some())
                     .count() as u32;
                 assert_eq!(
-                    h.held_children, n,
+                    h.held_children(),
+                    n,
                     "held_children of {} at {:?}",
-                    b.hash, h.place
+                    b.hash,
+                    h.place
                 );
                 *held.entry(h.place).or_default() += 1;
                 if n == 0 {
                     expected.entry(h.place).or_default().push(self.key(idx, h));
                 }
             }
+            assert_eq!(
+                (b.full_l1, b.full_node),
+                (full_l1, full_node),
+                "full counts of {}",
+                b.hash
+            );
             if b.parent == NIL {
                 assert_eq!(b.depth, 0);
             } else {
@@ -743,4 +522,28 @@ impl Directory {
             );
         });
     }
+}
+
+/// The first hash that occurs twice in `parent` + `hashes`, if any.
+fn first_duplicate(hashes: &[BlockHash], parent: Option<BlockHash>) -> Option<BlockHash> {
+    let n = hashes.len() + usize::from(parent.is_some());
+    if n <= 16 {
+        let all: smallvec::SmallVec<[BlockHash; 16]> =
+            parent.into_iter().chain(hashes.iter().copied()).collect();
+        return all
+            .iter()
+            .enumerate()
+            .find(|&(i, h)| all[..i].contains(h))
+            .map(|(_, &h)| h);
+    }
+    let mut seen: HashTable<BlockHash> = HashTable::with_capacity(n);
+    for h in parent.into_iter().chain(hashes.iter().copied()) {
+        match seen.entry(fold(h), |&x| x == h, |&x| fold(x)) {
+            hashbrown::hash_table::Entry::Occupied(_) => return Some(h),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(h);
+            }
+        }
+    }
+    None
 }

@@ -13,6 +13,8 @@ mod error;
 pub mod events;
 mod eviction;
 mod hash;
+mod holders;
+mod matching;
 mod table;
 
 pub use branches::BranchId;

@@ -8,7 +8,7 @@
 use hashbrown::HashTable;
 use smallvec::SmallVec;
 
-use crate::{BlockHash, Place};
+use crate::{BlockHash, NodeId, Place};
 
 /// "No block": the parent of a first page, the end of a child list.
 pub(crate) const NIL: u32 = u32::MAX;
@@ -16,13 +16,77 @@ pub(crate) const NIL: u32 = u32::MAX;
 /// Marks a slab slot whose block was dropped (kept in `depth`, which real blocks never reach).
 const FREED: u32 = u32::MAX;
 
-/// One holding of a block: a (node, tier) pair, its last-access time and how many of the block's
-/// children the same place holds (0 means the block is an eviction candidate there).
+/// One holding of a block: a (node, tier) pair, its last-access time, how many of the block's
+/// children the same place holds (0 means the block is an eviction candidate there), and two
+/// "rooted" flags that let `match` count per-node prefixes without visiting every holder of every
+/// block: `ROOT_TIER` (L1 entries only) — this place also holds every ancestor; `ROOT_NODE` (on
+/// every entry of the node) — the node holds every ancestor in some tier.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Holder {
     pub(crate) place: Place,
-    pub(crate) held_children: u32,
+    bits: u32,
     pub(crate) time: f64,
+}
+
+const ROOT_TIER: u32 = 1 << 30;
+const ROOT_NODE: u32 = 1 << 31;
+const COUNT: u32 = ROOT_TIER - 1;
+
+impl Holder {
+    pub(crate) fn new(
+        place: Place,
+        held_children: u32,
+        time: f64,
+        root_tier: bool,
+        root_node: bool,
+    ) -> Self {
+        assert!(
+            held_children <= COUNT,
+            "more than 2^30 children held at one place"
+        );
+        let bits = held_children
+            | if root_tier { ROOT_TIER } else { 0 }
+            | if root_node { ROOT_NODE } else { 0 };
+        Holder { place, bits, time }
+    }
+
+    /// Children of the block held at the same place.
+    pub(crate) fn held_children(&self) -> u32 {
+        self.bits & COUNT
+    }
+
+    pub(crate) fn add_held_children(&mut self, delta: i32) {
+        let n = self
+            .held_children()
+            .checked_add_signed(delta)
+            .expect("held-children count in range");
+        assert!(n <= COUNT, "more than 2^30 children held at one place");
+        self.bits = (self.bits & !COUNT) | n;
+    }
+
+    pub(crate) fn root_tier(&self) -> bool {
+        self.bits & ROOT_TIER != 0
+    }
+
+    pub(crate) fn set_root_tier(&mut self, on: bool) {
+        self.bits = if on {
+            self.bits | ROOT_TIER
+        } else {
+            self.bits & !ROOT_TIER
+        };
+    }
+
+    pub(crate) fn root_node(&self) -> bool {
+        self.bits & ROOT_NODE != 0
+    }
+
+    pub(crate) fn set_root_node(&mut self, on: bool) {
+        self.bits = if on {
+            self.bits | ROOT_NODE
+        } else {
+            self.bits & !ROOT_NODE
+        };
+    }
 }
 
 /// A known block. Children form a doubly linked sibling list so that a child is unlinked in O(1)
@@ -37,22 +101,41 @@ pub(crate) struct Block {
     pub(crate) prev_sibling: u32,
     /// `R_b`: live branches whose context contains the block.
     pub(crate) refcount: u32,
+    /// Nodes holding this block and all its ancestors (any tier): entries with `ROOT_NODE`.
+    pub(crate) full_node: u32,
+    /// L1 places holding this block and all its ancestors: entries with `ROOT_TIER`.
+    pub(crate) full_l1: u32,
     /// Sorted by place; one holder lives inline (the common case of a chain on one node).
     pub(crate) holders: SmallVec<[Holder; 1]>,
 }
 
 impl Block {
+    pub(crate) fn position(&self, place: Place) -> Option<usize> {
+        self.holders.binary_search_by_key(&place, |h| h.place).ok()
+    }
+
     pub(crate) fn holder(&self, place: Place) -> Option<&Holder> {
-        self.holders.iter().find(|h| h.place == place)
+        self.position(place).map(|i| &self.holders[i])
     }
 
     pub(crate) fn holder_mut(&mut self, place: Place) -> Option<&mut Holder> {
-        self.holders.iter_mut().find(|h| h.place == place)
+        self.position(place).map(|i| &mut self.holders[i])
+    }
+
+    /// The node's entries (one per tier it holds the block in), adjacent because places sort by node.
+    pub(crate) fn node_entries(&self, node: NodeId) -> std::ops::Range<usize> {
+        let start = self.holders.partition_point(|h| h.place.node() < node);
+        let end = start
+            + self.holders[start..]
+                .iter()
+                .take_while(|h| h.place.node() == node)
+                .count();
+        start..end
     }
 }
 
 #[inline]
-fn fold(hash: BlockHash) -> u64 {
+pub(crate) fn fold(hash: BlockHash) -> u64 {
     // Real hashes are SHA-256 prefixes and already uniform, but tests and traces use small ints:
     // a multiply spreads them over hashbrown's high (tag) and low (bucket) bits alike.
     let x = (hash as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -117,6 +200,8 @@ impl Blocks {
             next_sibling,
             prev_sibling: NIL,
             refcount: 0,
+            full_node: 0,
+            full_l1: 0,
             holders: SmallVec::new(),
         };
         let idx = if let Some(idx) = self.free.pop() {

@@ -1,0 +1,285 @@
+//! Holdings and everything derived from them, kept up to date incrementally:
+//! - each holder's count of children held at the same place, and the eviction index of candidates
+//!   (holders with no held child), keyed `(R_b > 0, T_b, -depth, hash)`;
+//! - the "rooted" flags and the per-block counts `full_node`/`full_l1` of places that hold the
+//!   block's whole prefix, which `match` uses to skip blocks where no node drops out.
+//!
+//! Storing a chain under a held parent and evicting a leaf touch O(1) index entries and scan no
+//! child lists; only holdings that open or close a gap inside a node's prefix walk down the node's
+//! held descendants.
+
+use crate::directory::Directory;
+use crate::eviction::EvKey;
+use crate::table::{Holder, NIL};
+use crate::{NodeId, Place, Tier};
+
+impl Directory {
+    pub(crate) fn key(&self, idx: u32, holder: &Holder) -> EvKey {
+        let b = self.blocks.get(idx);
+        EvKey::new(b.refcount > 0, holder.time, b.depth, b.hash, idx)
+    }
+
+    fn index(&mut self, place: Place, key: EvKey) {
+        self.places.entry(place).or_default().candidates.insert(key);
+    }
+
+    fn unindex(&mut self, place: Place, key: &EvKey) {
+        let removed = self
+            .places
+            .get_mut(&place)
+            .is_some_and(|s| s.candidates.remove(key));
+        debug_assert!(
+            removed,
+            "candidate {key:?} missing from the index of {place:?}"
+        );
+    }
+
+    /// Holds `idx` at `place` with time `now` (refreshing it if already held). With `leaf_follows`
+    /// the caller guarantees a child of `idx` will be held at `place` before the call returns
+    /// (the next block of a stored chain), so `idx` is not entered in the index here. With
+    /// `parent_in_chain` the parent is the previous block of that chain, already out of the index.
+    pub(crate) fn add_holder(
+        &mut self,
+        idx: u32,
+        place: Place,
+        now: f64,
+        leaf_follows: bool,
+        parent_in_chain: bool,
+    ) {
+        let b = self.blocks.get(idx);
+        if let Some(pos) = b.position(place) {
+            let old = b.holders[pos];
+            if old.held_children() == 0 {
+                let key = self.key(idx, &old);
+                self.unindex(place, &key);
+            }
+            let h = &mut self.blocks.get_mut(idx).holders[pos];
+            h.time = now;
+            let h = *h;
+            if h.held_children() == 0 && !leaf_follows {
+                let key = self.key(idx, &h);
+                self.index(place, key);
+            }
+            return;
+        }
+        let node = place.node();
+        let held_children = if b.first_child == NIL {
+            0
+        } else {
+            self.blocks
+                .children(idx)
+                .filter(|&c| self.blocks.get(c).holder(place).is_some())
+                .count() as u32
+        };
+        let parent = (b.parent != NIL).then(|| self.blocks.get(b.parent));
+        let root_tier = place.tier() == Tier::L1
+            && parent.is_none_or(|p| p.holder(place).is_some_and(Holder::root_tier));
+        let other_tier = b
+            .node_entries(node)
+            .next()
+            .map(|i| b.holders[i].root_node());
+        let root_node = other_tier.unwrap_or_else(|| {
+            parent.is_none_or(|p| {
+                p.node_entries(node)
+                    .next()
+                    .is_some_and(|i| p.holders[i].root_node())
+            })
+        });
+        let parent = b.parent;
+        let holder = Holder::new(place, held_children, now, root_tier, root_node);
+        let block = self.blocks.get_mut(idx);
+        let pos = block.holders.partition_point(|h| h.place < place);
+        block.holders.insert(pos, holder);
+        if root_tier {
+            block.full_l1 += 1;
+        }
+        if other_tier.is_none() && root_node {
+            block.full_node += 1;
+        }
+        if parent != NIL {
+            self.child_held(parent, place, !parent_in_chain);
+        }
+        let has_children = self.blocks.get(idx).first_child != NIL;
+        if root_tier && held_children > 0 {
+            self.propagate_root_tier(idx, place, true);
+        }
+        if other_tier.is_none() && root_node && has_children {
+            self.propagate_root_node(idx, node, true);
+        }
+        let state = self.places.entry(place).or_default();
+        state.held += 1;
+        if held_children == 0 && !leaf_follows {
+            let key = self.key(idx, &holder);
+            self.index(place, key);
+        }
+    }
+
+    /// A child of `parent` became held at `place`.
+    fn child_held(&mut self, parent: u32, place: Place, maintain_index: bool) {
+        let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) else {
+            return;
+        };
+        ph.add_held_children(1);
+        if ph.held_children() == 1 && maintain_index {
+            let ph = *ph;
+            let key = self.key(parent, &ph);
+            self.unindex(place, &key);
+        }
+    }
+
+    /// `place` no longer holds `idx`. Returns whether it did. Garbage is not collected here.
+    pub(crate) fn remove_holder(&mut self, idx: u32, place: Place) -> bool {
+        let b = self.blocks.get(idx);
+        let Some(pos) = b.position(place) else {
+            return false;
+        };
+        let old = b.holders[pos];
+        let parent = b.parent;
+        if old.held_children() == 0 {
+            let key = self.key(idx, &old);
+            self.unindex(place, &key);
+        }
+        let block = self.blocks.get_mut(idx);
+        block.holders.remove(pos);
+        if block.holders.len() <= 1 {
+            block.holders.shrink_to_fit();
+        }
+        if old.root_tier() {
+            block.full_l1 -= 1;
+        }
+        let node_left = block.node_entries(place.node()).is_empty();
+        if node_left && old.root_node() {
+            block.full_node -= 1;
+        }
+        if parent != NIL {
+            if let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) {
+                ph.add_held_children(-1);
+                if ph.held_children() == 0 {
+                    let ph = *ph;
+                    let key = self.key(parent, &ph);
+                    self.index(place, key);
+                }
+            }
+        }
+        if old.root_tier() && old.held_children() > 0 {
+            self.propagate_root_tier(idx, place, false);
+        }
+        if node_left && old.root_node() && self.blocks.get(idx).first_child != NIL {
+            self.propagate_root_node(idx, place.node(), false);
+        }
+        let state = self
+            .places
+            .get_mut(&place)
+            .expect("a held block's place has a state");
+        state.held -= 1;
+        if state.held == 0 {
+            debug_assert!(state.candidates.is_empty());
+            self.places.remove(&place);
+        }
+        true
+    }
+
+    /// The L1 place's holdings below `idx` gained (`on`) or lost their whole prefix at `place`.
+    fn propagate_root_tier(&mut self, idx: u32, place: Place, on: bool) {
+        let mut stack = vec![idx];
+        while let Some(b) = stack.pop() {
+            let kids: Vec<u32> = self
+                .blocks
+                .children(b)
+                .filter(|&c| {
+                    self.blocks
+                        .get(c)
+                        .holder(place)
+                        .is_some_and(|h| h.root_tier() != on)
+                })
+                .collect();
+            for c in kids {
+                let block = self.blocks.get_mut(c);
+                let h = block.holder_mut(place).expect("filtered on holding");
+                h.set_root_tier(on);
+                let has_children = h.held_children() > 0;
+                if on {
+                    block.full_l1 += 1;
+                } else {
+                    block.full_l1 -= 1;
+                }
+                if has_children {
+                    stack.push(c);
+                }
+            }
+        }
+    }
+
+    /// The node's holdings below `idx` (any tier) gained or lost their whole prefix.
+    fn propagate_root_node(&mut self, idx: u32, node: NodeId, on: bool) {
+        let mut stack = vec![idx];
+        while let Some(b) = stack.pop() {
+            let kids: Vec<u32> = self
+                .blocks
+                .children(b)
+                .filter(|&c| {
+                    let block = self.blocks.get(c);
+                    block
+                        .node_entries(node)
+                        .next()
+                        .is_some_and(|i| block.holders[i].root_node() != on)
+                })
+                .collect();
+            for c in kids {
+                let block = self.blocks.get_mut(c);
+                for i in block.node_entries(node) {
+                    block.holders[i].set_root_node(on);
+                }
+                if on {
+                    block.full_node += 1;
+                } else {
+                    block.full_node -= 1;
+                }
+                stack.push(c);
+            }
+        }
+    }
+
+    /// Sets the last-access time of a block already held at `place`.
+    pub(crate) fn refresh(&mut self, idx: u32, place: Place, now: f64) {
+        let Some(h) = self.blocks.get(idx).holder(place).copied() else {
+            return;
+        };
+        if h.held_children() == 0 {
+            let key = self.key(idx, &h);
+            self.unindex(place, &key);
+        }
+        let h = self.blocks.get_mut(idx).holder_mut(place).expect("held");
+        h.time = now;
+        let h = *h;
+        if h.held_children() == 0 {
+            let key = self.key(idx, &h);
+            self.index(place, key);
+        }
+    }
+
+    /// Sets `R_b`, re-keying the block's candidate entries when `R_b > 0` flips (the key's first
+    /// field).
+    pub(crate) fn set_refcount(&mut self, idx: u32, refcount: u32) {
+        let b = self.blocks.get_mut(idx);
+        if (b.refcount > 0) == (refcount > 0) {
+            b.refcount = refcount;
+            return;
+        }
+        let leaves: Vec<Holder> = b
+            .holders
+            .iter()
+            .filter(|h| h.held_children() == 0)
+            .copied()
+            .collect();
+        for h in &leaves {
+            let key = self.key(idx, h);
+            self.unindex(h.place, &key);
+        }
+        self.blocks.get_mut(idx).refcount = refcount;
+        for h in &leaves {
+            let key = self.key(idx, h);
+            self.index(h.place, key);
+        }
+    }
+}
