@@ -30,12 +30,12 @@ pub(crate) fn hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     }
 }
 
-/// `PyLong_AsLong` where C's `long` is 64 bits: CPython 3.11's `PyLong_AsLongLong` goes through
+/// `PyLong_AsLong` where C's `long` is 64 bits: `CPython` 3.11's `PyLong_AsLongLong` goes through
 /// `_PyLong_AsByteArray` for multi-digit ints (every real page hash), about 25 ns an int.
 #[cfg(all(target_pointer_width = "64", not(windows)))]
 unsafe fn as_i64(obj: *mut ffi::PyObject) -> i64 {
     // SAFETY: forwarded from the caller (a valid object, GIL held).
-    i64::from(unsafe { ffi::PyLong_AsLong(obj) })
+    unsafe { ffi::PyLong_AsLong(obj) }
 }
 
 #[cfg(not(all(target_pointer_width = "64", not(windows))))]

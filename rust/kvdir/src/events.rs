@@ -305,7 +305,21 @@ impl<'a> Cursor<'a> {
             0x90..=0x9f | 0xdc | 0xdd => {
                 let n = self.array_len()?.expect("marker is an array");
                 for _ in 0..n {
-                    self.skip(depth + 1)?;
+                    // Token-id arrays (thousands of ints per event) are most of a batch's bytes:
+                    // step over plain ints without the general path.
+                    let width = match self.buf.get(self.pos) {
+                        Some(0x00..=0x7f | 0xe0..=0xff) => 1,
+                        Some(0xcc | 0xd0) => 2,
+                        Some(0xcd | 0xd1) => 3,
+                        Some(0xce | 0xd2) => 5,
+                        Some(0xcf | 0xd3) => 9,
+                        _ => 0,
+                    };
+                    if width > 0 && self.pos + width <= self.buf.len() {
+                        self.pos += width;
+                    } else {
+                        self.skip(depth + 1)?;
+                    }
                 }
             }
             0x80..=0x8f | 0xde | 0xdf => {

@@ -87,9 +87,10 @@ impl Directory {
         });
         let parent = b.parent;
         let holder = Holder::new(place, held_children, now, root_tier, root_node);
+        self.blocks.with_holders(idx, |hs| {
+            hs.insert(hs.partition_point(|h| h.place < place), holder);
+        });
         let block = self.blocks.get_mut(idx);
-        let pos = block.holders.partition_point(|h| h.place < place);
-        block.holders.insert(pos, holder);
         if root_tier {
             block.full_l1 += 1;
         }
@@ -139,11 +140,13 @@ impl Directory {
             let key = self.key(idx, &old);
             self.unindex(place, &key);
         }
+        self.blocks.with_holders(idx, |hs| {
+            hs.remove(pos);
+            if hs.len() <= 1 {
+                hs.shrink_to_fit();
+            }
+        });
         let block = self.blocks.get_mut(idx);
-        block.holders.remove(pos);
-        if block.holders.len() <= 1 {
-            block.holders.shrink_to_fit();
-        }
         if old.root_tier() {
             block.full_l1 -= 1;
         }

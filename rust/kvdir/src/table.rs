@@ -148,6 +148,18 @@ pub(crate) struct Blocks {
     slab: Vec<Block>,
     free: Vec<u32>,
     index: HashTable<u32>,
+    /// Known blocks with no holder (placeholders), kept so `stats` need not walk the slab.
+    unheld: usize,
+    /// Heap bytes of holder vectors that outgrew their inline slot.
+    spilled_bytes: usize,
+}
+
+fn heap_bytes(holders: &SmallVec<[Holder; 1]>) -> usize {
+    if holders.spilled() {
+        holders.capacity() * std::mem::size_of::<Holder>()
+    } else {
+        0
+    }
 }
 
 impl Blocks {
@@ -171,6 +183,26 @@ impl Blocks {
 
     pub(crate) fn len(&self) -> usize {
         self.index.len()
+    }
+
+    /// Changes a block's holders through `f`, keeping the placeholder and heap counters right.
+    pub(crate) fn with_holders<R>(
+        &mut self,
+        idx: u32,
+        f: impl FnOnce(&mut SmallVec<[Holder; 1]>) -> R,
+    ) -> R {
+        let holders = &mut self.slab[idx as usize].holders;
+        let (was_empty, bytes) = (holders.is_empty(), heap_bytes(holders));
+        let out = f(holders);
+        let (is_empty, now_bytes) = (holders.is_empty(), heap_bytes(holders));
+        self.unheld = self.unheld + usize::from(is_empty) - usize::from(was_empty);
+        self.spilled_bytes = self.spilled_bytes + now_bytes - bytes;
+        out
+    }
+
+    /// Known blocks that no place holds.
+    pub(crate) fn unheld(&self) -> usize {
+        self.unheld
     }
 
     /// Slots in the slab, live or freed.
@@ -222,6 +254,7 @@ impl Blocks {
         let slab = &self.slab;
         self.index
             .insert_unique(fold(hash), idx, |&i| fold(slab[i as usize].hash));
+        self.unheld += 1;
         idx
     }
 
@@ -247,8 +280,8 @@ impl Blocks {
         }
         let b = self.get_mut(idx);
         b.depth = FREED;
-        b.holders = SmallVec::new();
         self.free.push(idx);
+        self.unheld -= 1;
         parent
     }
 
@@ -266,15 +299,9 @@ impl Blocks {
 
     /// Bytes held by the slab, the free list, spilled holder vectors and the hash table.
     pub(crate) fn memory_bytes(&self) -> usize {
-        let spilled: usize = self
-            .slab
-            .iter()
-            .filter(|b| b.holders.spilled())
-            .map(|b| b.holders.capacity() * std::mem::size_of::<Holder>())
-            .sum();
         self.slab.capacity() * std::mem::size_of::<Block>()
             + self.free.capacity() * 4
             + self.index.capacity() * (std::mem::size_of::<u32>() + 1)
-            + spilled
+            + self.spilled_bytes
     }
 }
