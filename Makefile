@@ -46,6 +46,7 @@ lint: build ## clippy, rustfmt --check, stubtest, mypy --strict, ruff
 	cargo fmt --all --check
 	$(PY) -m mypy.stubtest evolving_infra._core --allowlist python/stubtest-allowlist.txt
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy benches
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 

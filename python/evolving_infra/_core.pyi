@@ -75,7 +75,7 @@ class InvalidArgumentError(KvDirectoryError):
     argument: str
 
 class EventDecodeError(KvDirectoryError):
-    """Event bytes that are not a valid SGLang `KVEventBatch`; `offset` is where decoding stopped."""
+    """Bytes that are not a valid SGLang `KVEventBatch`; `offset` is where decoding stopped."""
 
     offset: int
 
