@@ -84,9 +84,16 @@ impl Directory {
         let has_l2 = |b: &Block| b.holders.iter().any(|h| h.place.tier() == Tier::L2);
         let mut pool = u32::from(has_l2(first));
         let mut depth = 1u32;
+        // While every node still counting l12 also counts l1 (L1 holds their whole prefix so far),
+        // one pass serves both counts: the common case of clusters without host-tier holdings.
+        let mut shared = alive1.len() == alive.len();
         for b in path {
             if b.holders.is_empty() {
                 break;
+            }
+            if shared && b.full_l1 != b.full_node {
+                shared = false;
+                alive1.clone_from(&alive);
             }
             if (b.full_node as usize) < alive.len() {
                 let missing = alive.len() - b.full_node as usize;
@@ -97,11 +104,15 @@ impl Directory {
                     |h, node| h.place.node().cmp(&node),
                     Holder::root_node,
                     |ri| {
-                        res[ri as usize].2 = depth;
+                        let r = &mut res[ri as usize];
+                        r.2 = depth;
+                        if shared {
+                            r.1 = depth;
+                        }
                     },
                 );
             }
-            if (b.full_l1 as usize) < alive1.len() {
+            if !shared && (b.full_l1 as usize) < alive1.len() {
                 let missing = alive1.len() - b.full_l1 as usize;
                 drop_out(
                     &mut alive1,
@@ -120,7 +131,7 @@ impl Directory {
         for &(_, r) in &alive {
             res[r as usize].2 = depth;
         }
-        for &(_, r) in &alive1 {
+        for &(_, r) in if shared { &alive } else { &alive1 } {
             res[r as usize].1 = depth;
         }
         PrefixMatch {
