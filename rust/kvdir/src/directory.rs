@@ -223,16 +223,39 @@ impl Directory {
         let mut prev = parent.map_or(NIL, |p| self.blocks.find(p).expect("validated parent"));
         let last = hashes.len().saturating_sub(1);
         let mut known = true;
-        for (i, &h) in hashes.iter().enumerate() {
+        let mut ctx = self.chain_place(place);
+        let mut i = 0;
+        while i < hashes.len() {
+            let h = hashes[i];
             let idx = if let Some(idx) = known.then(|| self.blocks.find(h)).flatten() {
                 idx
             } else {
                 known = !tail_is_new;
                 self.blocks.insert(h, prev)
             };
-            self.add_holder(idx, place, now, i < last, i > 0);
+            self.add_holder(idx, &mut ctx, now, i < last, i > 0);
             prev = idx;
+            i += 1;
+            if !known {
+                break;
+            }
         }
+        if i < hashes.len() {
+            // The rest of a new tail: each block is new, childless, held only here, under the
+            // block just stored. Nothing to look up, scan or re-index but the last block.
+            for &h in &hashes[i..] {
+                let parent = self.blocks.get_mut(prev);
+                debug_assert_eq!(parent.holders.len(), 1);
+                let ph = &mut parent.holders[0];
+                ph.add_held_children(1);
+                let holder = Holder::new(place, 0, now, ph.root_tier(), ph.root_node());
+                prev = self.blocks.insert_held(h, prev, holder);
+            }
+            ctx.newly_held += (hashes.len() - i) as u64;
+            let key = self.key(prev, &self.blocks.get(prev).holders[0]);
+            self.places.entry(place).or_default().candidates.insert(key);
+        }
+        self.finish_chain(&ctx);
     }
 
     /// `(node, tier)` no longer holds `hashes`; unknown or not-held hashes are ignored.
@@ -413,6 +436,7 @@ impl Directory {
     pub fn check_invariants(&self) {
         let mut expected: HashMap<Place, Vec<EvKey>> = HashMap::new();
         let mut held: HashMap<Place, u64> = HashMap::new();
+        let mut orphans: HashMap<Place, u64> = HashMap::new();
         self.for_each_block(|idx, b| {
             assert_eq!(
                 self.blocks.find(b.hash),
@@ -470,6 +494,9 @@ impl Directory {
                     h.place
                 );
                 *held.entry(h.place).or_default() += 1;
+                if parent.is_some_and(|p| p.holder(h.place).is_none()) {
+                    *orphans.entry(h.place).or_default() += 1;
+                }
                 if n == 0 {
                     expected.entry(h.place).or_default().push(self.key(idx, h));
                 }
@@ -498,6 +525,8 @@ impl Directory {
         assert_eq!(held.len(), self.places.len(), "places with holdings");
         for (place, s) in &self.places {
             assert_eq!(Some(&s.held), held.get(place), "held count at {place:?}");
+            let want = orphans.get(place).copied().unwrap_or(0);
+            assert_eq!(s.orphans, want, "orphans at {place:?}");
             let mut want = expected.remove(place).unwrap_or_default();
             want.sort_unstable();
             let got: Vec<EvKey> = s.candidates.iter().copied().collect();

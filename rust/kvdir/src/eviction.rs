@@ -50,6 +50,9 @@ impl EvKey {
 pub(crate) struct PlaceState {
     /// Blocks held here.
     pub(crate) held: u64,
+    /// Blocks held here whose parent is not (a gap in a prefix). While there are none, a block
+    /// newly held here cannot have a child held here, and no child list needs scanning.
+    pub(crate) orphans: u64,
     /// Eviction candidates, in eviction order.
     pub(crate) candidates: BTreeSet<EvKey>,
 }

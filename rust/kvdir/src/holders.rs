@@ -13,7 +13,36 @@ use crate::eviction::EvKey;
 use crate::table::{Holder, NIL};
 use crate::{NodeId, Place, Tier};
 
+/// Counters of the place a chain is being stored at, read once per chain and written back once
+/// (`Directory::store_valid`), so that storing a block costs no look-up in the places map.
+pub(crate) struct ChainPlace {
+    pub(crate) place: Place,
+    /// Orphans at `place` and at the node's other tier, kept current while the chain is stored.
+    pub(crate) orphans: u64,
+    pub(crate) other_orphans: u64,
+    pub(crate) newly_held: u64,
+}
+
 impl Directory {
+    pub(crate) fn chain_place(&self, place: Place) -> ChainPlace {
+        let orphans = |p: Place| self.places.get(&p).map_or(0, |s| s.orphans);
+        ChainPlace {
+            place,
+            orphans: orphans(place),
+            other_orphans: orphans(other_tier(place)),
+            newly_held: 0,
+        }
+    }
+
+    /// Writes a chain's counters back.
+    pub(crate) fn finish_chain(&mut self, ctx: &ChainPlace) {
+        if ctx.newly_held > 0 {
+            let state = self.places.entry(ctx.place).or_default();
+            state.held += ctx.newly_held;
+            state.orphans = ctx.orphans;
+        }
+    }
+
     pub(crate) fn key(&self, idx: u32, holder: &Holder) -> EvKey {
         let b = self.blocks.get(idx);
         EvKey::new(b.refcount > 0, holder.time, b.depth, b.hash, idx)
@@ -41,11 +70,12 @@ impl Directory {
     pub(crate) fn add_holder(
         &mut self,
         idx: u32,
-        place: Place,
+        ctx: &mut ChainPlace,
         now: f64,
         leaf_follows: bool,
         parent_in_chain: bool,
     ) {
+        let place = ctx.place;
         let b = self.blocks.get(idx);
         if let Some(pos) = b.position(place) {
             let old = b.holders[pos];
@@ -63,7 +93,10 @@ impl Directory {
             return;
         }
         let node = place.node();
-        let held_children = if b.first_child == NIL {
+        // A child of `idx` held here (or, for the node-level flag, held by the node in either tier)
+        // would be an orphan there: with no orphans, no child list needs scanning.
+        let scan_node = b.first_child != NIL && (ctx.orphans > 0 || ctx.other_orphans > 0);
+        let held_children = if b.first_child == NIL || ctx.orphans == 0 {
             0
         } else {
             self.blocks
@@ -85,6 +118,7 @@ impl Directory {
                     .is_some_and(|i| p.holders[i].root_node())
             })
         });
+        let orphan = parent.is_some_and(|p| p.holder(place).is_none());
         let parent = b.parent;
         let holder = Holder::new(place, held_children, now, root_tier, root_node);
         self.blocks.with_holders(idx, |hs| {
@@ -100,15 +134,14 @@ impl Directory {
         if parent != NIL {
             self.child_held(parent, place, !parent_in_chain);
         }
-        let has_children = self.blocks.get(idx).first_child != NIL;
         if root_tier && held_children > 0 {
             self.propagate_root_tier(idx, place, true);
         }
-        if other_tier.is_none() && root_node && has_children {
+        if other_tier.is_none() && root_node && scan_node {
             self.propagate_root_node(idx, node, true);
         }
-        let state = self.places.entry(place).or_default();
-        state.held += 1;
+        ctx.newly_held += 1;
+        ctx.orphans = ctx.orphans + u64::from(orphan) - u64::from(held_children);
         if held_children == 0 && !leaf_follows {
             let key = self.key(idx, &holder);
             self.index(place, key);
@@ -136,6 +169,8 @@ impl Directory {
         };
         let old = b.holders[pos];
         let parent = b.parent;
+        let orphan = parent != NIL && self.blocks.get(parent).holder(place).is_none();
+        let other_orphans = self.places.get(&other_tier(place)).map_or(0, |s| s.orphans);
         if old.held_children() == 0 {
             let key = self.key(idx, &old);
             self.unindex(place, &key);
@@ -167,7 +202,8 @@ impl Directory {
         if old.root_tier() && old.held_children() > 0 {
             self.propagate_root_tier(idx, place, false);
         }
-        if node_left && old.root_node() && self.blocks.get(idx).first_child != NIL {
+        // The node's held children of `idx` are here (counted) or orphans in the other tier.
+        if node_left && old.root_node() && (old.held_children() > 0 || other_orphans > 0) {
             self.propagate_root_node(idx, place.node(), false);
         }
         let state = self
@@ -175,6 +211,7 @@ impl Directory {
             .get_mut(&place)
             .expect("a held block's place has a state");
         state.held -= 1;
+        state.orphans = state.orphans + u64::from(old.held_children()) - u64::from(orphan);
         if state.held == 0 {
             debug_assert!(state.candidates.is_empty());
             self.places.remove(&place);
@@ -285,4 +322,16 @@ impl Directory {
             self.index(h.place, key);
         }
     }
+}
+
+/// The same node's other tier.
+fn other_tier(place: Place) -> Place {
+    Place::new(
+        place.node(),
+        if place.tier() == Tier::L1 {
+            Tier::L2
+        } else {
+            Tier::L1
+        },
+    )
 }

@@ -218,6 +218,16 @@ impl Blocks {
 
     /// Inserts a new block (the caller checked it is unknown) under `parent` (or `NIL`).
     pub(crate) fn insert(&mut self, hash: BlockHash, parent: u32) -> u32 {
+        self.insert_with(hash, parent, None)
+    }
+
+    /// Inserts a new block already held by `holder` (the fast path of a stored chain's new tail:
+    /// its `full_*` counts follow the holder's flags).
+    pub(crate) fn insert_held(&mut self, hash: BlockHash, parent: u32, holder: Holder) -> u32 {
+        self.insert_with(hash, parent, Some(holder))
+    }
+
+    fn insert_with(&mut self, hash: BlockHash, parent: u32, holder: Option<Holder>) -> u32 {
         let (depth, next_sibling) = if parent == NIL {
             (0, NIL)
         } else {
@@ -232,9 +242,9 @@ impl Blocks {
             next_sibling,
             prev_sibling: NIL,
             refcount: 0,
-            full_node: 0,
-            full_l1: 0,
-            holders: SmallVec::new(),
+            full_node: holder.map_or(0, |h| u32::from(h.root_node())),
+            full_l1: holder.map_or(0, |h| u32::from(h.root_tier())),
+            holders: holder.into_iter().collect(),
         };
         let idx = if let Some(idx) = self.free.pop() {
             self.slab[idx as usize] = block;
@@ -254,7 +264,7 @@ impl Blocks {
         let slab = &self.slab;
         self.index
             .insert_unique(fold(hash), idx, |&i| fold(slab[i as usize].hash));
-        self.unheld += 1;
+        self.unheld += usize::from(holder.is_none());
         idx
     }
 
