@@ -45,7 +45,7 @@ Place = tuple[Node, Tier]
 TIERS: tuple[Tier, Tier] = ("L1", "L2")
 HASH_MIN = -(2**63)
 HASH_MAX = 2**63 - 1
-NODE_LIMIT = 2**31
+NODE_LIMIT = 2**31 - 1
 
 E = TypeVar("E", bound=KvDirectoryError)
 

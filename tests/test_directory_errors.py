@@ -216,7 +216,7 @@ def node_calls(d: KvDirectory, node: int) -> list[Callable[[], object]]:
     ]
 
 
-@pytest.mark.parametrize("node", [-1, 2**31, 2**32, 2**64, -(2**63)])
+@pytest.mark.parametrize("node", [-1, 2**31 - 1, 2**31, 2**32, 2**64, -(2**63)])
 def test_invalid_node(node: int) -> None:
     d = scene()
     for call in node_calls(d, node):
@@ -226,7 +226,7 @@ def test_invalid_node(node: int) -> None:
 
 def test_largest_node() -> None:
     d = KvDirectory()
-    top = 2**31 - 1
+    top = 2**31 - 2
     d.store(top, "L2", [1], now=0.0)
     d.touch(top, [1], now=1.0)
     assert d.eviction_order(top, "L2") == [1]

@@ -175,12 +175,7 @@ impl Directory {
             let key = self.key(idx, &old);
             self.unindex(place, &key);
         }
-        self.blocks.with_holders(idx, |hs| {
-            hs.remove(pos);
-            if hs.len() <= 1 {
-                hs.shrink_to_fit();
-            }
-        });
+        self.blocks.with_holders(idx, |hs| hs.remove(pos));
         let block = self.blocks.get_mut(idx);
         if old.root_tier() {
             block.full_l1 -= 1;

@@ -13,6 +13,7 @@ mod error;
 pub mod events;
 mod eviction;
 mod hash;
+mod holder_list;
 mod holders;
 mod matching;
 mod table;
@@ -25,11 +26,12 @@ pub use hash::block_hashes;
 /// A block: its SGLang page hash, as a signed 64-bit int.
 pub type BlockHash = i64;
 
-/// An engine node. Limited to 31 bits so that a (node, tier) pair packs into one `u32`.
+/// An engine node. Below 2^31 - 1 so that a (node, tier) pair packs into one `u32` that leaves the
+/// two largest values free (`holder_list` uses them as tags).
 pub type NodeId = u32;
 
-/// The largest node id the directory accepts.
-pub const MAX_NODE: NodeId = (1 << 31) - 1;
+/// The largest node id the directory accepts: 2^31 - 2.
+pub const MAX_NODE: NodeId = (1 << 31) - 2;
 
 /// Where on a node a block lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -80,6 +82,10 @@ impl Place {
         Place(node << 1 | tier as u32)
     }
 
+    pub(crate) fn raw(self) -> u32 {
+        self.0
+    }
+
     pub(crate) fn node(self) -> NodeId {
         self.0 >> 1
     }
@@ -98,7 +104,7 @@ pub fn check_node(node: i64) -> Result<NodeId> {
     u32::try_from(node)
         .ok()
         .filter(|&n| n <= MAX_NODE)
-        .ok_or_else(|| Error::invalid("node", format!("{node} is not in [0, 2^31)")))
+        .ok_or_else(|| Error::invalid("node", format!("{node} is not in [0, 2^31 - 1)")))
 }
 
 /// Checks a time: finite seconds.

@@ -6,8 +6,8 @@
 //! instead of 17 for a `HashMap<i64, u32>`, which is what keeps memory per block below Dynamo's.
 
 use hashbrown::HashTable;
-use smallvec::SmallVec;
 
+use crate::holder_list::HolderList;
 use crate::{BlockHash, NodeId, Place};
 
 /// "No block": the parent of a first page, the end of a child list.
@@ -22,6 +22,7 @@ const FREED: u32 = u32::MAX;
 /// block: `ROOT_TIER` (L1 entries only) — this place also holds every ancestor; `ROOT_NODE` (on
 /// every entry of the node) — the node holds every ancestor in some tier.
 #[derive(Debug, Clone, Copy)]
+#[repr(C)]
 pub(crate) struct Holder {
     pub(crate) place: Place,
     bits: u32,
@@ -106,7 +107,7 @@ pub(crate) struct Block {
     /// L1 places holding this block and all its ancestors: entries with `ROOT_TIER`.
     pub(crate) full_l1: u32,
     /// Sorted by place; one holder lives inline (the common case of a chain on one node).
-    pub(crate) holders: SmallVec<[Holder; 1]>,
+    pub(crate) holders: HolderList,
 }
 
 impl Block {
@@ -154,12 +155,8 @@ pub(crate) struct Blocks {
     spilled_bytes: usize,
 }
 
-fn heap_bytes(holders: &SmallVec<[Holder; 1]>) -> usize {
-    if holders.spilled() {
-        holders.capacity() * std::mem::size_of::<Holder>()
-    } else {
-        0
-    }
+fn heap_bytes(holders: &HolderList) -> usize {
+    holders.heap_bytes()
 }
 
 impl Blocks {
@@ -186,11 +183,7 @@ impl Blocks {
     }
 
     /// Changes a block's holders through `f`, keeping the placeholder and heap counters right.
-    pub(crate) fn with_holders<R>(
-        &mut self,
-        idx: u32,
-        f: impl FnOnce(&mut SmallVec<[Holder; 1]>) -> R,
-    ) -> R {
+    pub(crate) fn with_holders<R>(&mut self, idx: u32, f: impl FnOnce(&mut HolderList) -> R) -> R {
         let holders = &mut self.slab[idx as usize].holders;
         let (was_empty, bytes) = (holders.is_empty(), heap_bytes(holders));
         let out = f(holders);
@@ -244,7 +237,7 @@ impl Blocks {
             refcount: 0,
             full_node: holder.map_or(0, |h| u32::from(h.root_node())),
             full_l1: holder.map_or(0, |h| u32::from(h.root_tier())),
-            holders: holder.into_iter().collect(),
+            holders: holder.map_or_else(HolderList::new, HolderList::one),
         };
         let idx = if let Some(idx) = self.free.pop() {
             self.slab[idx as usize] = block;

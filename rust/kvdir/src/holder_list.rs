@@ -1,0 +1,327 @@
+//! `HolderList`: a block's holders in 16 bytes — the size of one holder.
+//!
+//! Almost every block is held by one place, so the list stores a single holder in place and
+//! moves to the heap only from two holders on. A `SmallVec<[Holder; 1]>` does the same in 24 bytes
+//! (it keeps a separate capacity word); here the first word tells the cases apart, because a
+//! holder's place never takes the two largest `u32` values (nodes are below `MAX_NODE`), and a heap
+//! list's capacity is not stored: it is always `len.next_power_of_two()`. Those 8 bytes per block
+//! are what keeps the directory's memory per block below Dynamo's radix tree.
+
+use std::alloc::{self, Layout};
+use std::ops::{Deref, DerefMut};
+
+use crate::table::Holder;
+
+/// First word of an empty list.
+const EMPTY: u32 = u32::MAX;
+/// First word of a list on the heap.
+const HEAP: u32 = u32::MAX - 1;
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Heap {
+    tag: u32,
+    len: u32,
+    ptr: *mut Holder,
+}
+
+#[repr(C)]
+union Repr {
+    one: Holder,
+    heap: Heap,
+}
+
+/// A block's holders, sorted by place by its users.
+pub(crate) struct HolderList(Repr);
+
+// SAFETY: the list owns its heap buffer exclusively, like a `Vec<Holder>`.
+unsafe impl Send for HolderList {}
+// SAFETY: shared access only reads, like a `Vec<Holder>`.
+unsafe impl Sync for HolderList {}
+
+fn layout(cap: usize) -> Layout {
+    Layout::array::<Holder>(cap).expect("holder lists are small")
+}
+
+fn capacity(len: usize) -> usize {
+    len.next_power_of_two()
+}
+
+impl HolderList {
+    pub(crate) const fn new() -> Self {
+        HolderList(Repr {
+            heap: Heap {
+                tag: EMPTY,
+                len: 0,
+                ptr: std::ptr::null_mut(),
+            },
+        })
+    }
+
+    pub(crate) fn one(h: Holder) -> Self {
+        debug_assert!(h.place.raw() < HEAP, "place collides with a list tag");
+        HolderList(Repr { one: h })
+    }
+
+    fn tag(&self) -> u32 {
+        // SAFETY: both variants start with an initialised u32 (a place or a tag).
+        unsafe { self.0.heap.tag }
+    }
+
+    /// The heap part, if the list is on the heap.
+    fn heap(&self) -> Option<Heap> {
+        if self.tag() == HEAP {
+            // SAFETY: the tag says the `heap` variant is the initialised one.
+            Some(unsafe { self.0.heap })
+        } else {
+            None
+        }
+    }
+
+    /// Bytes on the heap (0 while the list fits in place).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.heap().map_or(0, |h| {
+            capacity(h.len as usize) * std::mem::size_of::<Holder>()
+        })
+    }
+
+    /// Moves the holders into a heap buffer of `capacity(len)` slots (`len` ≥ 2).
+    fn to_heap(items: &[Holder], len: usize) -> Heap {
+        debug_assert!(len >= 2 && items.len() <= len);
+        let cap = capacity(len);
+        // SAFETY: the layout has a non-zero size (cap ≥ 2); a null result is handled.
+        #[allow(
+            clippy::cast_ptr_alignment,
+            reason = "allocated with the layout of [Holder]"
+        )]
+        let ptr = unsafe { alloc::alloc(layout(cap)) }.cast::<Holder>();
+        if ptr.is_null() {
+            alloc::handle_alloc_error(layout(cap));
+        }
+        // SAFETY: the new buffer holds at least `items.len()` slots and does not overlap `items`.
+        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), ptr, items.len()) };
+        Heap {
+            tag: HEAP,
+            len: items.len() as u32,
+            ptr,
+        }
+    }
+
+    fn free(h: Heap) {
+        // SAFETY: `ptr` was allocated by `to_heap` with the capacity its length implies; every
+        // length change that would change that capacity reallocates first.
+        unsafe { alloc::dealloc(h.ptr.cast(), layout(capacity(h.len as usize))) };
+    }
+
+    /// Inserts `h` at `pos` (≤ len), shifting the rest right.
+    pub(crate) fn insert(&mut self, pos: usize, h: Holder) {
+        debug_assert!(h.place.raw() < HEAP, "place collides with a list tag");
+        let len = self.len();
+        assert!(pos <= len, "insert position {pos} beyond length {len}");
+        if len == 0 {
+            *self = HolderList::one(h);
+            return;
+        }
+        if let Some(heap) = self.heap().filter(|_| capacity(len + 1) == capacity(len)) {
+            // SAFETY: the buffer has capacity(len) > len slots; the tail shifts right by one.
+            unsafe {
+                let p = heap.ptr.add(pos);
+                std::ptr::copy(p, p.add(1), len - pos);
+                p.write(h);
+            }
+            self.0.heap = Heap {
+                len: heap.len + 1,
+                ..heap
+            };
+            return;
+        }
+        let mut items: Vec<Holder> = Vec::with_capacity(len + 1);
+        items.extend_from_slice(&self[..pos]);
+        items.push(h);
+        items.extend_from_slice(&self[pos..]);
+        self.replace(&items);
+    }
+
+    /// Removes and returns the holder at `pos`.
+    pub(crate) fn remove(&mut self, pos: usize) -> Holder {
+        let len = self.len();
+        assert!(pos < len, "remove position {pos} beyond length {len}");
+        let out = self[pos];
+        if let Some(heap) = self
+            .heap()
+            .filter(|_| len > 2 && capacity(len - 1) == capacity(len))
+        {
+            // SAFETY: pos < len; the tail shifts left by one within the buffer.
+            unsafe {
+                let p = heap.ptr.add(pos);
+                std::ptr::copy(p.add(1), p, len - pos - 1);
+            }
+            self.0.heap = Heap {
+                len: heap.len - 1,
+                ..heap
+            };
+            return out;
+        }
+        let mut items: Vec<Holder> = Vec::with_capacity(len - 1);
+        items.extend_from_slice(&self[..pos]);
+        items.extend_from_slice(&self[pos + 1..]);
+        self.replace(&items);
+        out
+    }
+
+    /// Makes the list exactly `items`, reusing the heap buffer while its capacity still fits.
+    fn replace(&mut self, items: &[Holder]) {
+        let heap = self.heap();
+        if let Some(h) = heap {
+            if items.len() >= 2 && capacity(items.len()) == capacity(h.len as usize) {
+                // SAFETY: the buffer has capacity(len) ≥ items.len() slots; `items` is a copy.
+                unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), h.ptr, items.len()) };
+                self.0.heap = Heap {
+                    len: items.len() as u32,
+                    ..h
+                };
+                return;
+            }
+        }
+        let new = match items.len() {
+            0 => HolderList::new(),
+            1 => HolderList::one(items[0]),
+            n => HolderList(Repr {
+                heap: Self::to_heap(items, n),
+            }),
+        };
+        if let Some(h) = heap {
+            Self::free(h);
+        }
+        // The old heap buffer is freed above; forget `self` so its drop does not free it again.
+        std::mem::forget(std::mem::replace(self, new));
+    }
+}
+
+impl Deref for HolderList {
+    type Target = [Holder];
+
+    fn deref(&self) -> &[Holder] {
+        match self.tag() {
+            EMPTY => &[],
+            // SAFETY: on the heap, `ptr` points to `len` initialised holders owned by the list.
+            HEAP => unsafe {
+                std::slice::from_raw_parts(self.0.heap.ptr, self.0.heap.len as usize)
+            },
+            // SAFETY: any other first word is a place: the `one` variant is initialised.
+            _ => std::slice::from_ref(unsafe { &self.0.one }),
+        }
+    }
+}
+
+impl DerefMut for HolderList {
+    fn deref_mut(&mut self) -> &mut [Holder] {
+        match self.tag() {
+            EMPTY => &mut [],
+            // SAFETY: as in `deref`, and `&mut self` gives exclusive access.
+            HEAP => unsafe {
+                std::slice::from_raw_parts_mut(self.0.heap.ptr, self.0.heap.len as usize)
+            },
+            // SAFETY: as in `deref`. Callers must not change a holder's place to a tag value.
+            _ => std::slice::from_mut(unsafe { &mut self.0.one }),
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a HolderList {
+    type Item = &'a Holder;
+    type IntoIter = std::slice::Iter<'a, Holder>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl Drop for HolderList {
+    fn drop(&mut self) {
+        if let Some(h) = self.heap() {
+            Self::free(h);
+        }
+    }
+}
+
+impl Clone for HolderList {
+    fn clone(&self) -> Self {
+        let mut out = HolderList::new();
+        out.replace(self);
+        out
+    }
+}
+
+impl Default for HolderList {
+    fn default() -> Self {
+        HolderList::new()
+    }
+}
+
+impl std::fmt::Debug for HolderList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Place, Tier};
+
+    fn h(node: u32) -> Holder {
+        Holder::new(
+            Place::new(node, Tier::L1),
+            node,
+            f64::from(node),
+            false,
+            false,
+        )
+    }
+
+    #[test]
+    fn is_as_small_as_one_holder() {
+        assert_eq!(
+            std::mem::size_of::<HolderList>(),
+            std::mem::size_of::<Holder>()
+        );
+    }
+
+    #[test]
+    fn grows_and_shrinks_through_every_size() {
+        let mut list = HolderList::new();
+        let mut model: Vec<u32> = Vec::new();
+        for n in [5, 1, 9, 3, 7, 2, 8, 4, 6, 0] {
+            let pos = model.partition_point(|&x| x < n);
+            model.insert(pos, n);
+            list.insert(pos, h(n));
+            assert_eq!(
+                list.iter().map(|x| x.place.node()).collect::<Vec<_>>(),
+                model
+            );
+            assert_eq!(list.heap_bytes() > 0, model.len() >= 2);
+        }
+        let copy = list.clone();
+        for pos in [3, 0, 5, 1, 0, 2, 1, 0, 1, 0] {
+            let gone = list.remove(pos);
+            assert_eq!(gone.place.node(), model.remove(pos));
+            assert_eq!(
+                list.iter().map(|x| x.place.node()).collect::<Vec<_>>(),
+                model
+            );
+            assert_eq!(list.heap_bytes() > 0, model.len() >= 2);
+        }
+        assert!(list.is_empty());
+        assert_eq!(copy.len(), 10);
+    }
+
+    #[test]
+    fn largest_place_is_not_a_tag() {
+        let top = Place::new(crate::MAX_NODE, Tier::L2);
+        assert!(top.raw() < HEAP);
+        let list = HolderList::one(Holder::new(top, 0, 0.0, false, false));
+        assert_eq!(list.len(), 1);
+        assert_eq!(list[0].place, top);
+    }
+}
