@@ -261,11 +261,26 @@ impl Directory {
     /// `(node, tier)` no longer holds `hashes`; unknown or not-held hashes are ignored.
     pub fn remove(&mut self, node: NodeId, tier: Tier, hashes: &[BlockHash]) {
         let place = Place::new(node, tier);
-        for &h in hashes {
-            if let Some(idx) = self.blocks.find(h) {
-                if self.remove_holder(idx, place) {
-                    self.collect(idx);
-                }
+        // Engines evict leaf first: when the next hash is this block's parent, the parent leaves
+        // too, so it never enters the eviction index in between (two B-tree updates saved).
+        let mut next = hashes.first().and_then(|&h| self.blocks.find(h));
+        let mut indexed = true;
+        for i in 0..hashes.len() {
+            let current = next;
+            next = hashes.get(i + 1).and_then(|&h| self.blocks.find(h));
+            let Some(idx) = current else {
+                indexed = true;
+                continue;
+            };
+            let parent = self.blocks.get(idx).parent;
+            let parent_next = parent != NIL
+                && next == Some(parent)
+                && self.blocks.get(parent).holder(place).is_some();
+            if self.remove_holder_in_chain(idx, place, indexed, !parent_next) {
+                self.collect(idx);
+                indexed = !parent_next;
+            } else {
+                indexed = true;
             }
         }
     }

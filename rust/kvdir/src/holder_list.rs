@@ -10,6 +10,8 @@
 use std::alloc::{self, Layout};
 use std::ops::{Deref, DerefMut};
 
+use smallvec::SmallVec;
+
 use crate::table::Holder;
 
 /// First word of an empty list.
@@ -135,7 +137,7 @@ impl HolderList {
             };
             return;
         }
-        let mut items: Vec<Holder> = Vec::with_capacity(len + 1);
+        let mut items: SmallVec<[Holder; 8]> = SmallVec::with_capacity(len + 1);
         items.extend_from_slice(&self[..pos]);
         items.push(h);
         items.extend_from_slice(&self[pos..]);
@@ -162,7 +164,7 @@ impl HolderList {
             };
             return out;
         }
-        let mut items: Vec<Holder> = Vec::with_capacity(len - 1);
+        let mut items: SmallVec<[Holder; 8]> = SmallVec::with_capacity(len - 1);
         items.extend_from_slice(&self[..pos]);
         items.extend_from_slice(&self[pos + 1..]);
         self.replace(&items);

@@ -163,6 +163,19 @@ impl Directory {
 
     /// `place` no longer holds `idx`. Returns whether it did. Garbage is not collected here.
     pub(crate) fn remove_holder(&mut self, idx: u32, place: Place) -> bool {
+        self.remove_holder_in_chain(idx, place, true, true)
+    }
+
+    /// `remove_holder` for a chain removed leaf first: with `!indexed` the caller left `idx` out
+    /// of the index when its last child went (it was next), and with `!index_parent` the parent
+    /// is removed next, so it is not entered in the index only to leave it again.
+    pub(crate) fn remove_holder_in_chain(
+        &mut self,
+        idx: u32,
+        place: Place,
+        indexed: bool,
+        index_parent: bool,
+    ) -> bool {
         let b = self.blocks.get(idx);
         let Some(pos) = b.position(place) else {
             return false;
@@ -171,7 +184,7 @@ impl Directory {
         let parent = b.parent;
         let orphan = parent != NIL && self.blocks.get(parent).holder(place).is_none();
         let other_orphans = self.places.get(&other_tier(place)).map_or(0, |s| s.orphans);
-        if old.held_children() == 0 {
+        if old.held_children() == 0 && indexed {
             let key = self.key(idx, &old);
             self.unindex(place, &key);
         }
@@ -187,7 +200,7 @@ impl Directory {
         if parent != NIL {
             if let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) {
                 ph.add_held_children(-1);
-                if ph.held_children() == 0 {
+                if ph.held_children() == 0 && index_parent {
                     let ph = *ph;
                     let key = self.key(parent, &ph);
                     self.index(place, key);

@@ -254,3 +254,28 @@ fn a_parent_stored_after_its_child_counts_it() {
     assert_eq!(d.eviction_order(0, Tier::L1, None), vec![3]);
     d.check_invariants();
 }
+
+#[test]
+fn leaf_first_removal_keeps_the_index_exact() {
+    let mut d = dir_with(&[
+        (0, Tier::L1, &[1, 2, 3, 4], None, 0.0),
+        (0, Tier::L1, &[5], Some(2), 1.0),
+    ]);
+    // 4 and 3 leave leaf first (3 never enters the index in between); 2 goes too, so 1 (t=0)
+    // becomes a candidate beside the orphaned 5 (t=1).
+    d.remove(0, Tier::L1, &[4, 3, 2]);
+    d.check_invariants();
+    assert_eq!(d.eviction_order(0, Tier::L1, None), vec![1, 5]);
+    d.remove(0, Tier::L1, &[5, 1]);
+    d.check_invariants();
+    assert!(d.eviction_order(0, Tier::L1, None).is_empty());
+    assert!(d.is_empty());
+    // A parent that is next in the list but not held here must not be skipped.
+    let mut d = dir_with(&[
+        (0, Tier::L1, &[1, 2], None, 0.0),
+        (1, Tier::L1, &[1], None, 0.0),
+    ]);
+    d.remove(0, Tier::L1, &[2, 9, 1]);
+    d.check_invariants();
+    assert_eq!(d.eviction_order(1, Tier::L1, None), vec![1]);
+}
