@@ -45,6 +45,20 @@ fn layout(cap: usize) -> Layout {
     Layout::array::<Holder>(cap).expect("holder lists are small")
 }
 
+/// A buffer for `cap` (≥ 2) holders.
+fn alloc_holders(cap: usize) -> *mut Holder {
+    // SAFETY: the layout has a non-zero size (cap ≥ 2); a null result is handled.
+    #[allow(
+        clippy::cast_ptr_alignment,
+        reason = "allocated with the layout of [Holder]"
+    )]
+    let ptr = unsafe { alloc::alloc(layout(cap)) }.cast::<Holder>();
+    if ptr.is_null() {
+        alloc::handle_alloc_error(layout(cap));
+    }
+    ptr
+}
+
 fn capacity(len: usize) -> usize {
     len.next_power_of_two()
 }
@@ -90,16 +104,7 @@ impl HolderList {
     /// Moves the holders into a heap buffer of `capacity(len)` slots (`len` ≥ 2).
     fn to_heap(items: &[Holder], len: usize) -> Heap {
         debug_assert!(len >= 2 && items.len() <= len);
-        let cap = capacity(len);
-        // SAFETY: the layout has a non-zero size (cap ≥ 2); a null result is handled.
-        #[allow(
-            clippy::cast_ptr_alignment,
-            reason = "allocated with the layout of [Holder]"
-        )]
-        let ptr = unsafe { alloc::alloc(layout(cap)) }.cast::<Holder>();
-        if ptr.is_null() {
-            alloc::handle_alloc_error(layout(cap));
-        }
+        let ptr = alloc_holders(capacity(len));
         // SAFETY: the new buffer holds at least `items.len()` slots and does not overlap `items`.
         unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), ptr, items.len()) };
         Heap {
@@ -137,11 +142,25 @@ impl HolderList {
             };
             return;
         }
-        let mut items: SmallVec<[Holder; 8]> = SmallVec::with_capacity(len + 1);
-        items.extend_from_slice(&self[..pos]);
-        items.push(h);
-        items.extend_from_slice(&self[pos..]);
-        self.replace(&items);
+        // Grow into a new buffer: the holders before `pos`, `h`, the rest.
+        let ptr = alloc_holders(capacity(len + 1));
+        // SAFETY: the new buffer has capacity(len + 1) > len slots and does not overlap the old
+        // holders, which stay valid until the old buffer is freed below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr(), ptr, pos);
+            ptr.add(pos).write(h);
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(pos), ptr.add(pos + 1), len - pos);
+        }
+        if let Some(old) = self.heap() {
+            Self::free(old);
+        }
+        self.0 = Repr {
+            heap: Heap {
+                tag: HEAP,
+                len: (len + 1) as u32,
+                ptr,
+            },
+        };
     }
 
     /// Removes and returns the holder at `pos`.
