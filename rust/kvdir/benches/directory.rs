@@ -1,6 +1,6 @@
 //! Criterion benchmarks of the directory at cluster scale: about 1M blocks held over 1,000 nodes.
 //!
-//! Workload model: 10,000 agent contexts of 100 blocks (SGLang pages), each sharing a random
+//! Workload model: 20,000 agent contexts of 100 blocks (SGLang pages), each sharing a random
 //! prefix (0–99 blocks) with an earlier context, as agents forked from a shared system prompt and
 //! from each other do; each context is held in the L1 of a random node, and one in five also in
 //! the L2 of another node (the shared host pool). Every operation below is measured against that
@@ -25,7 +25,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use kvdir::{BranchId, Directory, Tier};
 
 const NODES: u32 = 1_000;
-const CONTEXTS: usize = 10_000;
+const CONTEXTS: usize = 20_000;
 const LEN: usize = 100;
 
 /// A small deterministic generator (`SplitMix64`), so the bench needs no RNG crate.

@@ -13,6 +13,7 @@ use crate::branches::Branch;
 use crate::events::{decode_batch, Event, EventBatch};
 use crate::eviction::{EvKey, PlaceState, CANDIDATE_BYTES};
 use crate::table::{fold, Block, Blocks, Holder, NIL};
+use crate::wide::WideLists;
 use crate::{check_time, BlockHash, BranchId, Error, NodeId, Place, Result, Tier};
 use hashbrown::HashTable;
 
@@ -66,6 +67,8 @@ pub struct Directory {
     pub(crate) blocks: Blocks,
     pub(crate) places: HashMap<Place, PlaceState>,
     pub(crate) branches: HashMap<BranchId, Branch>,
+    /// Rooted-node lists of wide blocks (see `wide`).
+    pub(crate) wide: WideLists,
     /// While applying an event batch, blocks that may have become garbage; collected at the end
     /// so that a batch can be validated as a whole before it starts.
     deferred: Option<Vec<u32>>,
@@ -418,7 +421,8 @@ impl Directory {
         let memory = self.blocks.memory_bytes()
             + candidates as usize * CANDIDATE_BYTES
             + branch_bytes
-            + place_bytes;
+            + place_bytes
+            + self.wide.memory_bytes();
         Stats {
             blocks: self.blocks.len() as u64,
             placeholders: self.blocks.unheld() as u64,
@@ -516,6 +520,7 @@ impl Directory {
                     expected.entry(h.place).or_default().push(self.key(idx, h));
                 }
             }
+            self.wide.check(idx, b);
             assert_eq!(
                 (b.full_l1, b.full_node),
                 (full_l1, full_node),

@@ -11,6 +11,7 @@
 use crate::directory::Directory;
 use crate::eviction::EvKey;
 use crate::table::{Holder, NIL};
+use crate::wide::Kind;
 use crate::{NodeId, Place, Tier};
 
 /// Counters of the place a chain is being stored at, read once per chain and written back once
@@ -127,9 +128,13 @@ impl Directory {
         let block = self.blocks.get_mut(idx);
         if root_tier {
             block.full_l1 += 1;
+            self.wide
+                .changed(Kind::L1, idx, self.blocks.get(idx), node, true);
         }
         if other_tier.is_none() && root_node {
-            block.full_node += 1;
+            self.blocks.get_mut(idx).full_node += 1;
+            self.wide
+                .changed(Kind::Node, idx, self.blocks.get(idx), node, true);
         }
         if parent != NIL {
             self.child_held(parent, place, !parent_in_chain);
@@ -189,13 +194,19 @@ impl Directory {
             self.unindex(place, &key);
         }
         self.blocks.with_holders(idx, |hs| hs.remove(pos));
+        let node = place.node();
         let block = self.blocks.get_mut(idx);
         if old.root_tier() {
             block.full_l1 -= 1;
+            self.wide
+                .changed(Kind::L1, idx, self.blocks.get(idx), node, false);
         }
-        let node_left = block.node_entries(place.node()).is_empty();
+        let block = self.blocks.get_mut(idx);
+        let node_left = block.node_entries(node).is_empty();
         if node_left && old.root_node() {
             block.full_node -= 1;
+            self.wide
+                .changed(Kind::Node, idx, self.blocks.get(idx), node, false);
         }
         if parent != NIL {
             if let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) {
@@ -251,6 +262,8 @@ impl Directory {
                 } else {
                     block.full_l1 -= 1;
                 }
+                self.wide
+                    .changed(Kind::L1, c, self.blocks.get(c), place.node(), on);
                 if has_children {
                     stack.push(c);
                 }
@@ -283,6 +296,8 @@ impl Directory {
                 } else {
                     block.full_node -= 1;
                 }
+                self.wide
+                    .changed(Kind::Node, c, self.blocks.get(c), node, on);
                 stack.push(c);
             }
         }

@@ -17,6 +17,7 @@ mod holder_list;
 mod holders;
 mod matching;
 mod table;
+mod wide;
 
 pub use branches::BranchId;
 pub use directory::{Directory, PrefixMatch, Stats};

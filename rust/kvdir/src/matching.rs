@@ -10,9 +10,8 @@
 //! 100 child steps plus one check per drop-out, not 6,400 holder visits.
 
 use crate::directory::{Directory, PrefixMatch};
-use std::cmp::Ordering;
-
 use crate::table::{Block, Holder, NIL};
+use crate::wide::{dropped_between, Kind};
 use crate::{BlockHash, NodeId, Place, Tier};
 
 /// Children checked by following the sibling list before falling back to the hash table.
@@ -59,35 +58,36 @@ impl Directory {
     /// How much of the query chain (from its first page) each node, the pool and the cluster hold.
     #[must_use]
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> PrefixMatch {
-        let mut path = self.walk(hashes).map(|i| self.blocks.get(i));
-        let Some(first) = path.next().filter(|b| !b.holders.is_empty()) else {
+        let mut path = self.walk(hashes);
+        let Some(first) = path
+            .next()
+            .map(|i| self.blocks.get(i))
+            .filter(|b| !b.holders.is_empty())
+        else {
             return PrefixMatch::default();
         };
-        // One result per node holding the first block: exactly the nodes with l12 > 0.
-        // (node, l1, l12); counts are filled in when a node drops out or the walk ends.
-        let mut res: Vec<(NodeId, u32, u32)> = Vec::with_capacity(first.holders.len());
-        // (node, index into res) of the nodes still counting l12, and l1.
-        let mut alive1: Vec<(NodeId, u32)> = Vec::with_capacity(first.holders.len());
+        // Every node with l12 > 0 holds the first block; `res` is ascending by node.
+        let mut res = PrefixMatch::default();
         for h in &first.holders {
-            if res.last().is_none_or(|r| r.0 != h.place.node()) {
-                res.push((h.place.node(), 0, 0));
-            }
-            if h.place.tier() == Tier::L1 {
-                alive1.push((h.place.node(), res.len() as u32 - 1));
+            let node = h.place.node();
+            if res.node_ids.last() != Some(&node) {
+                res.node_ids.push(node);
             }
         }
-        let mut alive: Vec<(NodeId, u32)> = res
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (r.0, i as u32))
-            .collect();
+        res.l1.resize(res.node_ids.len(), 0);
+        res.l12.resize(res.node_ids.len(), 0);
+        // The nodes still counting, ascending: those holding the whole path so far (in some tier;
+        // in L1). While both sets agree, `alive1` stays empty and `alive` serves both counts.
+        let mut alive: Vec<NodeId> = res.node_ids.clone();
+        let mut alive1: Vec<NodeId> = Kind::L1.rooted(first);
+        let mut shared = alive1 == alive;
+        if shared {
+            alive1.clear();
+        }
         let has_l2 = |b: &Block| b.holders.iter().any(|h| h.place.tier() == Tier::L2);
-        let mut pool = u32::from(has_l2(first));
-        let mut depth = 1u32;
-        // While every node still counting l12 also counts l1 (L1 holds their whole prefix so far),
-        // one pass serves both counts: the common case of clusters without host-tier holdings.
-        let mut shared = alive1.len() == alive.len();
-        for b in path {
+        let (mut pool, mut depth) = (u32::from(has_l2(first)), 1u32);
+        for idx in path {
+            let b = self.blocks.get(idx);
             if b.holders.is_empty() {
                 break;
             }
@@ -95,52 +95,76 @@ impl Directory {
                 shared = false;
                 alive1.clone_from(&alive);
             }
+            let set =
+                |counts: &mut Vec<u32>, node: NodeId| set_count(&res.node_ids, counts, node, depth);
             if (b.full_node as usize) < alive.len() {
-                let missing = alive.len() - b.full_node as usize;
-                drop_out(
-                    &mut alive,
-                    missing,
-                    b,
-                    |h, node| h.place.node().cmp(&node),
-                    Holder::root_node,
-                    |ri| {
-                        let r = &mut res[ri as usize];
-                        r.2 = depth;
-                        if shared {
-                            r.1 = depth;
-                        }
-                    },
-                );
+                self.drop_out(&mut alive, Kind::Node, idx, |n| {
+                    set(&mut res.l12, n);
+                    if shared {
+                        set(&mut res.l1, n);
+                    }
+                });
             }
             if !shared && (b.full_l1 as usize) < alive1.len() {
-                let missing = alive1.len() - b.full_l1 as usize;
-                drop_out(
-                    &mut alive1,
-                    missing,
-                    b,
-                    |h, node| h.place.cmp(&Place::new(node, Tier::L1)),
-                    Holder::root_tier,
-                    |ri| res[ri as usize].1 = depth,
-                );
+                self.drop_out(&mut alive1, Kind::L1, idx, |n| set(&mut res.l1, n));
             }
             if pool == depth && has_l2(b) {
                 pool += 1;
             }
             depth += 1;
         }
-        for &(_, r) in &alive {
-            res[r as usize].2 = depth;
+        for (counts, nodes) in [
+            (&mut res.l12, &alive),
+            (&mut res.l1, if shared { &alive } else { &alive1 }),
+        ] {
+            for &n in nodes {
+                set_count(&res.node_ids, counts, n, depth);
+            }
         }
-        for &(_, r) in if shared { &alive } else { &alive1 } {
-            res[r as usize].1 = depth;
+        res.pool = pool;
+        res.cluster = depth;
+        res
+    }
+
+    /// Removes from `alive` (ascending) the nodes that do not hold block `idx`'s whole prefix
+    /// (`kind`), calling `dropped` for each. A wide block's rooted list is the new `alive`; for
+    /// other blocks, one merge pass over the block's holders.
+    fn drop_out(
+        &self,
+        alive: &mut Vec<NodeId>,
+        kind: Kind,
+        idx: u32,
+        mut dropped: impl FnMut(NodeId),
+    ) {
+        if let Some(kept) = self.wide.get(kind, idx) {
+            dropped_between(alive, kept, dropped);
+            alive.clear();
+            alive.extend_from_slice(kept);
+            return;
         }
-        PrefixMatch {
-            node_ids: res.iter().map(|r| r.0).collect(),
-            l1: res.iter().map(|r| r.1).collect(),
-            l12: res.iter().map(|r| r.2).collect(),
-            pool,
-            cluster: depth,
-        }
+        let b = self.blocks.get(idx);
+        let rooted = |h: &Holder| match kind {
+            Kind::Node => h.root_node(),
+            Kind::L1 => h.place.tier() == Tier::L1 && h.root_tier(),
+        };
+        let hs = &b.holders;
+        let mut j = 0;
+        alive.retain(|&node| {
+            while j < hs.len() && hs[j].place.node() < node {
+                j += 1;
+            }
+            // A node's entries are adjacent: check each (L1 first) for the flag.
+            let mut k = j;
+            let mut keep = false;
+            while k < hs.len() && hs[k].place.node() == node {
+                keep |= rooted(&hs[k]);
+                k += 1;
+            }
+            if !keep {
+                dropped(node);
+            }
+            keep
+        });
     }
 
     /// Last-access time := `now` for the leading query blocks `node` holds, in every tier it
@@ -166,36 +190,15 @@ impl Directory {
     }
 }
 
-/// Removes from `alive` (sorted by node) the `missing` nodes that no longer hold the whole prefix
-/// at `b`, calling `dropped` with each one's result index. One merge pass over the block's holders
-/// (sorted the same way), stopping as soon as all `missing` nodes are found.
-fn drop_out(
-    alive: &mut Vec<(NodeId, u32)>,
-    mut missing: usize,
-    b: &Block,
-    cmp: impl Fn(&Holder, NodeId) -> Ordering,
-    rooted: impl Fn(&Holder) -> bool,
-    mut dropped: impl FnMut(u32),
-) {
-    let hs = &b.holders;
-    let (mut j, mut w) = (0, 0);
-    for r in 0..alive.len() {
-        let (node, ri) = alive[r];
-        if missing == 0 {
-            alive.copy_within(r.., w);
-            w += alive.len() - r;
-            break;
-        }
-        while j < hs.len() && cmp(&hs[j], node) == Ordering::Less {
-            j += 1;
-        }
-        if j < hs.len() && cmp(&hs[j], node) == Ordering::Equal && rooted(&hs[j]) {
-            alive[w] = alive[r];
-            w += 1;
-        } else {
-            dropped(ri);
-            missing -= 1;
-        }
+/// `counts[i] = depth` for `node_ids[i] == node` (every node still counting held the first block,
+/// so it is in `node_ids`).
+fn set_count(node_ids: &[NodeId], counts: &mut [u32], node: NodeId, depth: u32) {
+    let found = node_ids.binary_search(&node);
+    debug_assert!(
+        found.is_ok(),
+        "node {node} counted without holding the first block"
+    );
+    if let Ok(i) = found {
+        counts[i] = depth;
     }
-    alive.truncate(w);
 }

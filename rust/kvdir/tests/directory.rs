@@ -279,3 +279,48 @@ fn leaf_first_removal_keeps_the_index_exact() {
     d.check_invariants();
     assert_eq!(d.eviction_order(1, Tier::L1, None), vec![1]);
 }
+
+#[test]
+fn nodes_drop_out_at_wide_and_narrow_blocks() {
+    // Many nodes share a prefix and leave it at different depths: in release builds the shared
+    // blocks keep sorted rooted-node lists (debug builds use them from two nodes up). Both orders:
+    // low node ids leaving first, and high ones.
+    let chain: Vec<i64> = (1..=40).collect();
+    for reversed in [false, true] {
+        let len = |node: u32| {
+            if reversed {
+                40 - node as usize
+            } else {
+                node as usize + 1
+            }
+        };
+        let mut d = Directory::new();
+        for node in 0..40u32 {
+            d.store(node, Tier::L1, &chain[..len(node)], None, 0.0)
+                .unwrap();
+            if node % 3 == 0 {
+                d.store(node, Tier::L2, &chain[..len(node).div_ceil(2)], None, 0.0)
+                    .unwrap();
+            }
+        }
+        d.check_invariants();
+        let m = d.match_prefix(&chain);
+        let want: Vec<u32> = (0..40).map(|n| len(n) as u32).collect();
+        assert_eq!(m.node_ids, (0..40).collect::<Vec<_>>());
+        assert_eq!(m.l12, want);
+        assert_eq!(m.l1, want);
+        assert_eq!((m.pool, m.cluster), (20, 40));
+        // Node 38 leaves L1 from block 10 on and holds nothing in L2: both counts stop at 9.
+        d.remove(38, Tier::L1, &chain[9..]);
+        let m = d.match_prefix(&chain);
+        assert_eq!(
+            (m.l1[38], m.l12[38]),
+            (9.min(len(38) as u32), 9.min(len(38) as u32))
+        );
+        // Node 39 (L2 holds its first half) leaves L1 from block 2: l1 = 1, l12 = its L2 half.
+        d.remove(39, Tier::L1, &chain[1..]);
+        let m = d.match_prefix(&chain);
+        assert_eq!((m.l1[39], m.l12[39]), (1, len(39).div_ceil(2) as u32));
+        d.check_invariants();
+    }
+}
