@@ -11,7 +11,7 @@
 
 use crate::directory::{Directory, PrefixMatch};
 use crate::table::{Block, Holder, NIL};
-use crate::wide::{dropped_between, Kind};
+use crate::wide::Kind;
 use crate::{BlockHash, NodeId, Place, Tier};
 
 /// Children checked by following the sibling list before falling back to the hash table.
@@ -67,7 +67,10 @@ impl Directory {
             return PrefixMatch::default();
         };
         // Every node with l12 > 0 holds the first block; `res` is ascending by node.
-        let mut res = PrefixMatch::default();
+        let mut res = PrefixMatch {
+            node_ids: Vec::with_capacity(first.holders.len()),
+            ..PrefixMatch::default()
+        };
         for h in &first.holders {
             let node = h.place.node();
             if res.node_ids.last() != Some(&node) {
@@ -76,13 +79,14 @@ impl Directory {
         }
         res.l1.resize(res.node_ids.len(), 0);
         res.l12.resize(res.node_ids.len(), 0);
-        // The nodes still counting, ascending: those holding the whole path so far (in some tier;
-        // in L1). While both sets agree, `alive1` stays empty and `alive` serves both counts.
-        let mut alive: Vec<NodeId> = res.node_ids.clone();
-        let mut alive1: Vec<NodeId> = Kind::L1.rooted(first);
-        let mut shared = alive1 == alive;
-        if shared {
-            alive1.clear();
+        // The nodes still counting: those holding the whole path so far (in some tier; in L1).
+        // While both sets agree, `alive1` stays empty and `alive` serves both counts.
+        let mut alive = Alive::new(res.node_ids.clone());
+        // A first page is rooted wherever it is held: the sets agree when every node has it in L1.
+        let mut shared = first.full_l1 == first.full_node;
+        let mut alive1 = Alive::default();
+        if !shared {
+            alive1 = Alive::subset(&alive, Kind::L1.rooted(first));
         }
         let has_l2 = |b: &Block| b.holders.iter().any(|h| h.place.tier() == Tier::L2);
         let (mut pool, mut depth) = (u32::from(has_l2(first)), 1u32);
@@ -93,78 +97,75 @@ impl Directory {
             }
             if shared && b.full_l1 != b.full_node {
                 shared = false;
-                alive1.clone_from(&alive);
+                alive1 = alive.clone();
             }
-            let set =
-                |counts: &mut Vec<u32>, node: NodeId| set_count(&res.node_ids, counts, node, depth);
-            if (b.full_node as usize) < alive.len() {
-                self.drop_out(&mut alive, Kind::Node, idx, |n| {
-                    set(&mut res.l12, n);
+            if (b.full_node as usize) < alive.nodes.len() {
+                self.drop_out(&mut alive, Kind::Node, idx, b.full_node, |i| {
+                    res.l12[i as usize] = depth;
                     if shared {
-                        set(&mut res.l1, n);
+                        res.l1[i as usize] = depth;
                     }
                 });
             }
-            if !shared && (b.full_l1 as usize) < alive1.len() {
-                self.drop_out(&mut alive1, Kind::L1, idx, |n| set(&mut res.l1, n));
+            if !shared && (b.full_l1 as usize) < alive1.nodes.len() {
+                self.drop_out(&mut alive1, Kind::L1, idx, b.full_l1, |i| {
+                    res.l1[i as usize] = depth;
+                });
             }
             if pool == depth && has_l2(b) {
                 pool += 1;
             }
             depth += 1;
         }
-        for (counts, nodes) in [
-            (&mut res.l12, &alive),
-            (&mut res.l1, if shared { &alive } else { &alive1 }),
-        ] {
-            for &n in nodes {
-                set_count(&res.node_ids, counts, n, depth);
-            }
+        for &i in &alive.at {
+            res.l12[i as usize] = depth;
+        }
+        for &i in if shared { &alive.at } else { &alive1.at } {
+            res.l1[i as usize] = depth;
         }
         res.pool = pool;
         res.cluster = depth;
         res
     }
 
-    /// Removes from `alive` (ascending) the nodes that do not hold block `idx`'s whole prefix
-    /// (`kind`), calling `dropped` for each. A wide block's rooted list is the new `alive`; for
-    /// other blocks, one merge pass over the block's holders.
+    /// Removes from `alive` the nodes that do not hold block `idx`'s whole prefix (`kind`),
+    /// calling `dropped` with each one's result index. A wide block's rooted list is the new
+    /// `alive`; for other blocks, one merge pass over the block's holders.
     fn drop_out(
         &self,
-        alive: &mut Vec<NodeId>,
+        alive: &mut Alive,
         kind: Kind,
         idx: u32,
-        mut dropped: impl FnMut(NodeId),
+        kept: u32,
+        dropped: impl FnMut(u32),
     ) {
         if let Some(kept) = self.wide.get(kind, idx) {
-            dropped_between(alive, kept, dropped);
-            alive.clear();
-            alive.extend_from_slice(kept);
+            alive.keep_only(kept, dropped);
             return;
         }
-        let b = self.blocks.get(idx);
+        let hs: &[Holder] = &self.blocks.get(idx).holders;
         let rooted = |h: &Holder| match kind {
             Kind::Node => h.root_node(),
             Kind::L1 => h.place.tier() == Tier::L1 && h.root_tier(),
         };
-        let hs = &b.holders;
         let mut j = 0;
-        alive.retain(|&node| {
-            while j < hs.len() && hs[j].place.node() < node {
-                j += 1;
-            }
-            // A node's entries are adjacent: check each (L1 first) for the flag.
-            let mut k = j;
-            let mut keep = false;
-            while k < hs.len() && hs[k].place.node() == node {
-                keep |= rooted(&hs[k]);
-                k += 1;
-            }
-            if !keep {
-                dropped(node);
-            }
-            keep
-        });
+        alive.retain(
+            alive.nodes.len() - kept as usize,
+            |node| {
+                while j < hs.len() && hs[j].place.node() < node {
+                    j += 1;
+                }
+                // A node's entries are adjacent: any of them carries the flag.
+                let mut keep = false;
+                let mut k = j;
+                while k < hs.len() && hs[k].place.node() == node {
+                    keep |= rooted(&hs[k]);
+                    k += 1;
+                }
+                keep
+            },
+            dropped,
+        );
     }
 
     /// Last-access time := `now` for the leading query blocks `node` holds, in every tier it
@@ -190,15 +191,124 @@ impl Directory {
     }
 }
 
-/// `counts[i] = depth` for `node_ids[i] == node` (every node still counting held the first block,
-/// so it is in `node_ids`).
-fn set_count(node_ids: &[NodeId], counts: &mut [u32], node: NodeId, depth: u32) {
-    let found = node_ids.binary_search(&node);
-    debug_assert!(
-        found.is_ok(),
-        "node {node} counted without holding the first block"
-    );
-    if let Ok(i) = found {
-        counts[i] = depth;
+/// The nodes still counting, ascending, with each one's index in the result arrays (kept side by
+/// side so that node lists compare as plain `u32` slices).
+#[derive(Default, Clone)]
+struct Alive {
+    nodes: Vec<NodeId>,
+    at: Vec<u32>,
+}
+
+impl Alive {
+    /// All of `nodes`, which are the result's nodes in order.
+    fn new(nodes: Vec<NodeId>) -> Self {
+        let at = (0..nodes.len() as u32).collect();
+        Alive { nodes, at }
+    }
+
+    /// The entries of `all` whose node is in `nodes` (ascending, a subset).
+    fn subset(all: &Alive, nodes: Vec<NodeId>) -> Self {
+        let mut out = all.clone();
+        out.keep_only(&nodes, |_| {});
+        out
+    }
+
+    /// Drops the `missing` nodes for which `keep` is false; the scan stops at the last of them.
+    fn retain(
+        &mut self,
+        mut missing: usize,
+        mut keep: impl FnMut(NodeId) -> bool,
+        mut dropped: impl FnMut(u32),
+    ) {
+        let mut w = 0;
+        for r in 0..self.nodes.len() {
+            if missing == 0 {
+                self.nodes.copy_within(r.., w);
+                self.at.copy_within(r.., w);
+                w += self.nodes.len() - r;
+                break;
+            }
+            let node = self.nodes[r];
+            if keep(node) {
+                self.nodes[w] = node;
+                self.at[w] = self.at[r];
+                w += 1;
+            } else {
+                dropped(self.at[r]);
+                missing -= 1;
+            }
+        }
+        self.nodes.truncate(w);
+        self.at.truncate(w);
+    }
+
+    /// Keeps exactly `kept` (ascending, a subset of the nodes); equal runs of the two node lists
+    /// are skipped eight at a time, so the cost is the drop-outs plus a fast scan.
+    fn keep_only(&mut self, kept: &[NodeId], mut dropped: impl FnMut(u32)) {
+        const RUN: usize = 8;
+        let n = self.nodes.len();
+        // `i` reads the old lists, `j` (≤ i) is both the position in `kept` and the write index.
+        let (mut i, mut j) = (0, 0);
+        while j < kept.len() {
+            while i + RUN <= n
+                && j + RUN <= kept.len()
+                && self.nodes[i..i + RUN] == kept[j..j + RUN]
+            {
+                if i != j {
+                    self.at.copy_within(i..i + RUN, j);
+                }
+                i += RUN;
+                j += RUN;
+            }
+            if j == kept.len() {
+                break;
+            }
+            if self.nodes[i] == kept[j] {
+                self.at[j] = self.at[i];
+                j += 1;
+            } else {
+                dropped(self.at[i]);
+            }
+            i += 1;
+        }
+        for r in i..n {
+            dropped(self.at[r]);
+        }
+        self.at.truncate(kept.len());
+        self.nodes.clear();
+        self.nodes.extend_from_slice(kept);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_only_reports_every_gap_with_its_index() {
+        let all: Vec<u32> = (0..100).map(|n| n * 3).collect();
+        let mut alive = Alive::new(all.clone());
+        let kept: Vec<u32> = all
+            .iter()
+            .copied()
+            .filter(|n| n % 7 != 3 && *n != 297)
+            .collect();
+        let mut gone = Vec::new();
+        alive.keep_only(&kept, |i| gone.push(all[i as usize]));
+        let want: Vec<u32> = all
+            .iter()
+            .copied()
+            .filter(|n| n % 7 == 3 || *n == 297)
+            .collect();
+        assert_eq!(gone, want);
+        assert_eq!(alive.nodes, kept);
+        assert!(alive
+            .at
+            .iter()
+            .zip(&alive.nodes)
+            .all(|(&i, &n)| all[i as usize] == n));
+        gone.clear();
+        alive.keep_only(&[], |i| gone.push(all[i as usize]));
+        assert_eq!(gone, kept);
     }
 }

@@ -5,7 +5,7 @@
 //! holders; for a block under a prefix shared by hundreds of nodes (a system prompt, a forked
 //! agent's history) a merge would cost a pass over hundreds of holders at every block where one
 //! node drops out. Wide blocks therefore keep their rooted nodes as a plain sorted `u32` list, and
-//! the drop-outs are the gaps between two such lists, found by comparing eight nodes at a time.
+//! the drop-outs are the gaps between two such lists (`matching::Alive::keep_only`).
 //!
 //! A block gets a list when its count reaches `WIDE` and loses it below `NARROW` (the gap keeps a
 //! block that hovers around the threshold from building and dropping its list on every change).
@@ -39,20 +39,16 @@ impl Kind {
 
     /// The block's rooted nodes of this kind, ascending (holders are sorted by place).
     pub(crate) fn rooted(self, b: &Block) -> Vec<NodeId> {
-        let mut out: Vec<NodeId> = match self {
-            Kind::Node => b
-                .holders
+        let mut out = Vec::with_capacity(b.holders.len());
+        out.extend(
+            b.holders
                 .iter()
-                .filter(|h| h.root_node())
-                .map(|h| h.place.node())
-                .collect(),
-            Kind::L1 => b
-                .holders
-                .iter()
-                .filter(|h| h.place.tier() == Tier::L1 && h.root_tier())
-                .map(|h| h.place.node())
-                .collect(),
-        };
+                .filter(|h| match self {
+                    Kind::Node => h.root_node(),
+                    Kind::L1 => h.place.tier() == Tier::L1 && h.root_tier(),
+                })
+                .map(|h| h.place.node()),
+        );
         out.dedup();
         out
     }
@@ -134,59 +130,5 @@ impl WideLists {
                 ),
             }
         }
-    }
-}
-
-/// Calls `dropped` for every node of `alive` missing from `kept`; both ascending, `kept ⊆ alive`.
-/// Equal runs are skipped eight nodes at a time.
-pub(crate) fn dropped_between(alive: &[NodeId], kept: &[NodeId], mut dropped: impl FnMut(NodeId)) {
-    const RUN: usize = 8;
-    let (mut i, mut j) = (0, 0);
-    while j < kept.len() {
-        while i + RUN <= alive.len()
-            && j + RUN <= kept.len()
-            && alive[i..i + RUN] == kept[j..j + RUN]
-        {
-            i += RUN;
-            j += RUN;
-        }
-        if j == kept.len() {
-            break;
-        }
-        if alive[i] == kept[j] {
-            j += 1;
-        } else {
-            dropped(alive[i]);
-        }
-        i += 1;
-    }
-    for &n in &alive[i..] {
-        dropped(n);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn finds_every_gap() {
-        let alive: Vec<u32> = (0..100).collect();
-        let kept: Vec<u32> = alive
-            .iter()
-            .copied()
-            .filter(|n| n % 7 != 3 && *n != 99)
-            .collect();
-        let mut out = Vec::new();
-        dropped_between(&alive, &kept, |n| out.push(n));
-        let want: Vec<u32> = alive
-            .iter()
-            .copied()
-            .filter(|n| n % 7 == 3 || *n == 99)
-            .collect();
-        assert_eq!(out, want);
-        out.clear();
-        dropped_between(&alive, &[], |n| out.push(n));
-        assert_eq!(out, alive);
     }
 }
