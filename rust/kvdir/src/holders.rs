@@ -13,6 +13,7 @@ use crate::eviction::EvKey;
 use crate::table::{Holder, NIL};
 use crate::wide::Kind;
 use crate::{NodeId, Place, Tier};
+use smallvec::SmallVec;
 
 /// Counters of the place a chain is being stored at, read once per chain and written back once
 /// (`Directory::store_valid`), so that storing a block costs no look-up in the places map.
@@ -329,7 +330,7 @@ impl Directory {
             b.refcount = refcount;
             return;
         }
-        let leaves: Vec<Holder> = b
+        let leaves: SmallVec<[Holder; 4]> = b
             .holders
             .iter()
             .filter(|h| h.held_children() == 0)
