@@ -3,9 +3,6 @@ unsigned hashes, unknown fields, undecodable events, whole-batch validation, and
 events and direct calls (docs/kv-directory.md, "SGLang events").
 """
 
-import base64
-import json
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,19 +20,11 @@ from evolving_infra import (
     UnknownParentError,
 )
 from reference_directory import reference_block_hashes
-from test_golden_sglang import fuzz_state
-
-DATA = Path(__file__).parent / "data" / "sglang"
-GOLDEN: dict[str, Any] = json.loads((DATA / "radix_events.json").read_text())
-POSITIONAL: dict[str, Any] = json.loads((DATA / "radix_events_positional.json").read_text())
-PAGE_SIZE: int = GOLDEN["page_size"]
-OPS: list[dict[str, Any]] = GOLDEN["ops"]
-MAP_BATCHES = [base64.b64decode(b) for b in GOLDEN["event_batches_msgpack_b64"]]
-POSITIONAL_BATCHES = [base64.b64decode(b) for b in POSITIONAL["event_batches_msgpack_b64"]]
-ENCODINGS = {"map": MAP_BATCHES, "positional": POSITIONAL_BATCHES}
-INSERTED = [op["tokens"] for op in OPS if op["op"] == "insert"]
-INSERTED_CHAINS = [reference_block_hashes(tokens, PAGE_SIZE) for tokens in INSERTED]
-EVERY_HASH = sorted({h for chain in INSERTED_CHAINS for h in chain})
+from test_golden_sglang import (
+    INSERTED_CHAINS,
+    MAP_BATCHES,
+    fuzz_state,
+)
 
 MIN = -(2**63)
 
