@@ -115,10 +115,9 @@ impl Directory {
     /// Drops one reference to each block of `chain`, deepest first, collecting garbage.
     fn release(&mut self, chain: &[u32]) {
         for &idx in chain.iter().rev() {
-            if !self.blocks.is_live(idx) {
-                // Collected already with a deeper block of the same chain.
-                continue;
-            }
+            // Shallower blocks of the chain still count this branch, so collecting a deeper one
+            // never drops them before their turn.
+            debug_assert!(self.blocks.is_live(idx));
             let r = self.blocks.get(idx).refcount;
             debug_assert!(r > 0);
             self.set_refcount(idx, r - 1);

@@ -155,10 +155,6 @@ pub(crate) struct Blocks {
     spilled_bytes: usize,
 }
 
-fn heap_bytes(holders: &HolderList) -> usize {
-    holders.heap_bytes()
-}
-
 impl Blocks {
     #[inline]
     pub(crate) fn find(&self, hash: BlockHash) -> Option<u32> {
@@ -185,9 +181,9 @@ impl Blocks {
     /// Changes a block's holders through `f`, keeping the placeholder and heap counters right.
     pub(crate) fn with_holders<R>(&mut self, idx: u32, f: impl FnOnce(&mut HolderList) -> R) -> R {
         let holders = &mut self.slab[idx as usize].holders;
-        let (was_empty, bytes) = (holders.is_empty(), heap_bytes(holders));
+        let (was_empty, bytes) = (holders.is_empty(), holders.heap_bytes());
         let out = f(holders);
-        let (is_empty, now_bytes) = (holders.is_empty(), heap_bytes(holders));
+        let (is_empty, now_bytes) = (holders.is_empty(), holders.heap_bytes());
         self.unheld = self.unheld + usize::from(is_empty) - usize::from(was_empty);
         self.spilled_bytes = self.spilled_bytes + now_bytes - bytes;
         out
