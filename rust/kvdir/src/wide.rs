@@ -82,6 +82,11 @@ impl WideLists {
     /// flags are already updated.
     pub(crate) fn changed(&mut self, kind: Kind, idx: u32, b: &Block, node: NodeId, on: bool) {
         let count = kind.count(b);
+        // Lists exist only from NARROW up: below it (before and after) there is nothing to look up.
+        let before = if on { count - 1 } else { count + 1 };
+        if before < NARROW && count < WIDE {
+            return;
+        }
         let map = self.map(kind);
         if let Some(list) = map.get_mut(&idx) {
             if count < NARROW {
