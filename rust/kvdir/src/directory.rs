@@ -354,6 +354,10 @@ impl Directory {
     pub fn apply_batch(&mut self, node: NodeId, batch: &EventBatch, now: f64) -> Result<usize> {
         let now = check_time(now)?;
         let mut overlay = Overlay::new();
+        // Per event: whether its chain touches a block an earlier event of the batch creates. If
+        // not, what validation found unknown is still unknown when the event applies, and the
+        // chain's new tail takes the fast path of a direct `store`.
+        let mut fresh_tail = Vec::with_capacity(batch.events.len());
         for ev in &batch.events {
             if let Event::Stored {
                 hashes,
@@ -361,11 +365,15 @@ impl Directory {
                 tier: Some(_),
             } = ev
             {
+                let touched = !overlay.is_empty()
+                    && hashes.iter().chain(parent).any(|h| overlay.contains_key(h));
+                fresh_tail.push(!touched);
                 self.validate_chain(*parent, hashes, Some(&mut overlay))?;
             }
         }
         self.deferred = Some(Vec::new());
         let mut applied = 0;
+        let mut fresh_tail = fresh_tail.into_iter();
         for ev in &batch.events {
             match ev {
                 Event::Stored {
@@ -373,7 +381,8 @@ impl Directory {
                     parent,
                     tier: Some(tier),
                 } => {
-                    self.store_valid(Place::new(node, *tier), hashes, *parent, now, false);
+                    let fresh = fresh_tail.next().unwrap_or(false);
+                    self.store_valid(Place::new(node, *tier), hashes, *parent, now, fresh);
                 }
                 Event::Removed {
                     hashes,
