@@ -41,7 +41,7 @@ impl Directory {
         hashes: &[BlockHash],
         version: Option<i64>,
     ) -> Result<bool> {
-        self.validate_chain(None, hashes, None)?;
+        self.validate_chain(None, hashes)?;
         let current = self.branches.get(&branch).map(|b| b.version);
         let version = match (current, version) {
             (Some(cur), Some(v)) if v < cur => return Ok(false),

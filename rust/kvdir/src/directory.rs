@@ -129,16 +129,46 @@ impl Directory {
         }
     }
 
-    /// Checks that `hashes` under `parent` keeps the forest consistent. With an overlay (batch
-    /// validation), blocks the chain would create are recorded in it.
+    /// Checks that `hashes` under `parent` keeps the forest consistent.
     pub(crate) fn validate_chain(
         &self,
         parent: Option<BlockHash>,
         hashes: &[BlockHash],
-        mut overlay: Option<&mut Overlay>,
+    ) -> Result<()> {
+        self.check_chain(parent, hashes, None, None)
+    }
+
+    /// Validation of one stored event of a batch: blocks created by earlier events (`overlay`)
+    /// count as known; with `record`, the blocks this chain creates are added to it.
+    fn validate_chain_in_batch(
+        &self,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        overlay: &mut Overlay,
+        record: bool,
+    ) -> Result<()> {
+        let mut created = Vec::new();
+        self.check_chain(
+            parent,
+            hashes,
+            Some(overlay),
+            record.then_some(&mut created),
+        )?;
+        overlay.extend(created);
+        Ok(())
+    }
+
+    /// The checks of `validate_chain`, reading blocks an event batch creates from `overlay` and
+    /// collecting the ones this chain would create into `created`.
+    fn check_chain(
+        &self,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        overlay: Option<&Overlay>,
+        mut created: Option<&mut Vec<(BlockHash, Option<BlockHash>)>>,
     ) -> Result<()> {
         if let Some(p) = parent {
-            if self.known_parent(p, overlay.as_deref()).is_none() {
+            if self.known_parent(p, overlay).is_none() {
                 return Err(Error::UnknownParent { parent: p });
             }
         }
@@ -147,7 +177,7 @@ impl Directory {
         }
         let mut prev = parent;
         for &h in hashes {
-            match self.known_parent(h, overlay.as_deref()) {
+            match self.known_parent(h, overlay) {
                 Some(known) if known != prev => {
                     return Err(Error::ParentMismatch {
                         hash: h,
@@ -157,8 +187,8 @@ impl Directory {
                 }
                 Some(_) => {}
                 None => {
-                    if let Some(o) = overlay.as_deref_mut() {
-                        o.insert(h, prev);
+                    if let Some(c) = created.as_deref_mut() {
+                        c.push((h, prev));
                     }
                 }
             }
@@ -208,7 +238,7 @@ impl Directory {
         now: f64,
     ) -> Result<()> {
         let now = check_time(now)?;
-        self.validate_chain(parent, hashes, None)?;
+        self.validate_chain(parent, hashes)?;
         self.store_valid(Place::new(node, tier), hashes, parent, now, true);
         Ok(())
     }
@@ -358,7 +388,9 @@ impl Directory {
         // not, what validation found unknown is still unknown when the event applies, and the
         // chain's new tail takes the fast path of a direct `store`.
         let mut fresh_tail = Vec::with_capacity(batch.events.len());
-        for ev in &batch.events {
+        let stores = |ev: &Event| matches!(ev, Event::Stored { tier: Some(_), .. });
+        let last_store = batch.events.iter().rposition(stores);
+        for (i, ev) in batch.events.iter().enumerate() {
             if let Event::Stored {
                 hashes,
                 parent,
@@ -368,7 +400,9 @@ impl Directory {
                 let touched = !overlay.is_empty()
                     && hashes.iter().chain(parent).any(|h| overlay.contains_key(h));
                 fresh_tail.push(!touched);
-                self.validate_chain(*parent, hashes, Some(&mut overlay))?;
+                // No later event consults what the last store creates: do not record it.
+                let record = Some(i) != last_store;
+                self.validate_chain_in_batch(*parent, hashes, &mut overlay, record)?;
             }
         }
         self.deferred = Some(Vec::new());
