@@ -1,7 +1,7 @@
 //! The directory: which (node, tier) holds which block, with last-access times and the eviction
 //! index, plus validation and garbage collection (DESIGN §2).
 //!
-//! Invariants (checked by `Directory::check_invariants` in tests):
+//! Invariants (checked by `Directory::check_invariants`, `invariants.rs`, in tests):
 //! - every holder's `held_children` is the number of the block's children held at its place;
 //! - a place's candidate set holds exactly the blocks held there with `held_children == 0`,
 //!   each under the key built from its current refcount, time, depth and hash;
@@ -11,8 +11,8 @@ use hashbrown::HashMap;
 
 use crate::branches::Branch;
 use crate::events::{decode_batch, Event, EventBatch};
-use crate::eviction::{EvKey, PlaceState, CANDIDATE_BYTES};
-use crate::table::{fold, Block, Blocks, Holder, NIL};
+use crate::eviction::{PlaceState, CANDIDATE_BYTES};
+use crate::table::{fold, Blocks, Holder, NIL};
 use crate::wide::WideLists;
 use crate::{check_time, BlockHash, BranchId, Error, NodeId, Place, Result, Tier};
 use hashbrown::HashTable;
@@ -478,138 +478,6 @@ impl Directory {
             events_skipped: self.events_skipped,
             memory_bytes: memory as u64,
         }
-    }
-
-    fn for_each_block(&self, mut f: impl FnMut(u32, &Block)) {
-        // Reached through the places' candidates would miss unheld blocks; walk the slab.
-        let mut idx = 0u32;
-        while (idx as usize) < self.blocks.slab_len() {
-            if self.blocks.is_live(idx) {
-                f(idx, self.blocks.get(idx));
-            }
-            idx += 1;
-        }
-    }
-
-    /// Checks every invariant of the module docs; panics with a message on the first violation.
-    /// O(blocks × holders); for tests.
-    #[doc(hidden)]
-    #[allow(clippy::too_many_lines, reason = "one checklist, read top to bottom")]
-    pub fn check_invariants(&self) {
-        let mut expected: HashMap<Place, Vec<EvKey>> = HashMap::new();
-        let mut held: HashMap<Place, u64> = HashMap::new();
-        let mut orphans: HashMap<Place, u64> = HashMap::new();
-        self.for_each_block(|idx, b| {
-            assert_eq!(
-                self.blocks.find(b.hash),
-                Some(idx),
-                "table entry of {}",
-                b.hash
-            );
-            assert!(
-                !b.holders.is_empty() || b.refcount > 0 || b.first_child != NIL,
-                "garbage block {} survived",
-                b.hash
-            );
-            assert!(
-                b.holders.windows(2).all(|w| w[0].place < w[1].place),
-                "holders sorted"
-            );
-            let parent = (b.parent != NIL).then(|| self.blocks.get(b.parent));
-            let (mut full_l1, mut full_node) = (0, 0);
-            for (i, h) in b.holders.iter().enumerate() {
-                let node = h.place.node();
-                let want_tier = h.place.tier() == Tier::L1
-                    && parent.is_none_or(|p| p.holder(h.place).is_some_and(Holder::root_tier));
-                assert_eq!(
-                    h.root_tier(),
-                    want_tier,
-                    "root_tier of {} at {:?}",
-                    b.hash,
-                    h.place
-                );
-                let want_node = parent.is_none_or(|p| {
-                    p.node_entries(node)
-                        .next()
-                        .is_some_and(|j| p.holders[j].root_node())
-                });
-                assert_eq!(
-                    h.root_node(),
-                    want_node,
-                    "root_node of {} at {:?}",
-                    b.hash,
-                    h.place
-                );
-                full_l1 += u32::from(h.root_tier());
-                let first_of_node = i == 0 || b.holders[i - 1].place.node() != node;
-                full_node += u32::from(h.root_node() && first_of_node);
-                let n = self
-                    .blocks
-                    .children(idx)
-                    .filter(|&c| self.blocks.get(c).holder(h.place).is_some())
-                    .count() as u32;
-                assert_eq!(
-                    h.held_children(),
-                    n,
-                    "held_children of {} at {:?}",
-                    b.hash,
-                    h.place
-                );
-                *held.entry(h.place).or_default() += 1;
-                if parent.is_some_and(|p| p.holder(h.place).is_none()) {
-                    *orphans.entry(h.place).or_default() += 1;
-                }
-                if n == 0 {
-                    expected.entry(h.place).or_default().push(self.key(idx, h));
-                }
-            }
-            self.wide.check(idx, b);
-            assert_eq!(
-                (b.full_l1, b.full_node),
-                (full_l1, full_node),
-                "full counts of {}",
-                b.hash
-            );
-            if b.parent == NIL {
-                assert_eq!(b.depth, 0);
-            } else {
-                let p = self.blocks.get(b.parent);
-                assert_eq!(b.depth, p.depth + 1, "depth of {}", b.hash);
-                assert!(
-                    self.blocks.children(b.parent).any(|c| c == idx),
-                    "child link of {}",
-                    b.hash
-                );
-            }
-        });
-        let mut unheld = 0;
-        self.for_each_block(|_, b| unheld += usize::from(b.holders.is_empty()));
-        assert_eq!(unheld, self.blocks.unheld(), "placeholder count");
-        assert_eq!(held.len(), self.places.len(), "places with holdings");
-        for (place, s) in &self.places {
-            assert_eq!(Some(&s.held), held.get(place), "held count at {place:?}");
-            let want = orphans.get(place).copied().unwrap_or(0);
-            assert_eq!(s.orphans, want, "orphans at {place:?}");
-            let mut want = expected.remove(place).unwrap_or_default();
-            want.sort_unstable();
-            let got: Vec<EvKey> = s.candidates.iter().copied().collect();
-            assert_eq!(got, want, "candidates at {place:?}");
-        }
-        assert!(expected.is_empty(), "candidates of places without state");
-        let mut refs: HashMap<u32, u32> = HashMap::new();
-        for b in self.branches.values() {
-            for &i in &b.context {
-                *refs.entry(i).or_default() += 1;
-            }
-        }
-        self.for_each_block(|idx, b| {
-            assert_eq!(
-                b.refcount,
-                refs.get(&idx).copied().unwrap_or(0),
-                "refcount of {}",
-                b.hash
-            );
-        });
     }
 }
 

@@ -15,6 +15,7 @@ mod eviction;
 mod hash;
 mod holder_list;
 mod holders;
+mod invariants;
 mod matching;
 mod table;
 mod wide;
