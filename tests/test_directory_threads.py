@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -93,6 +94,23 @@ def _apply(target: Any, op: Op) -> None:
         assert all(l12 <= cluster for _, l12 in nodes.values())
 
 
+def _program_runner(
+    d: KvDirectory, barrier: threading.Barrier, errors: list[BaseException]
+) -> Callable[[list[Op]], None]:
+    """A thread body: wait for the others, apply `program` to `d`, keep any error for the main
+    thread to re-raise."""
+
+    def run(program: list[Op]) -> None:
+        try:
+            barrier.wait()
+            for op in program:
+                _apply(d, op)
+        except BaseException as e:  # re-raised in the main thread
+            errors.append(e)
+
+    return run
+
+
 def test_threads_agree_with_sequential_reference() -> None:
     rng = random.Random(20240611)
     universe = _universe(rng)
@@ -103,13 +121,7 @@ def test_threads_agree_with_sequential_reference() -> None:
     barrier = threading.Barrier(n_threads + 1)
     done = threading.Event()
 
-    def worker(program: list[Op]) -> None:
-        try:
-            barrier.wait()
-            for op in program:
-                _apply(d, op)
-        except BaseException as e:  # re-raised in the main thread
-            errors.append(e)
+    worker = _program_runner(d, barrier, errors)
 
     def reader() -> None:
         try:
@@ -234,13 +246,7 @@ def test_threads_with_long_calls() -> None:
     errors: list[BaseException] = []
     barrier = threading.Barrier(5)
 
-    def worker(program: list[Op]) -> None:
-        try:
-            barrier.wait()
-            for op in program:
-                _apply(d, op)
-        except BaseException as e:  # re-raised in the main thread
-            errors.append(e)
+    worker = _program_runner(d, barrier, errors)
 
     def ingest() -> None:
         try:

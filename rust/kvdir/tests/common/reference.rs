@@ -189,24 +189,6 @@ impl Reference {
                 .get(&(node, tier))
                 .is_some_and(|m| m.contains_key(&h))
         };
-        let nodes: BTreeSet<u32> = self.held.keys().map(|p| p.0).collect();
-        let mut out = BTreeMap::new();
-        for node in nodes {
-            let count = |pred: &dyn Fn(i64) -> bool| {
-                let mut n = 0;
-                self.is_first_page_walk(hashes, |_, h| {
-                    let ok = pred(h);
-                    n += u32::from(ok);
-                    ok
-                });
-                n
-            };
-            let l1 = count(&|h| holds(node, Tier::L1, h));
-            let l12 = count(&|h| holds(node, Tier::L1, h) || holds(node, Tier::L2, h));
-            if l12 > 0 {
-                out.insert(node, (l1, l12));
-            }
-        }
         let count = |pred: &dyn Fn(i64) -> bool| {
             let mut n = 0;
             self.is_first_page_walk(hashes, |_, h| {
@@ -216,6 +198,15 @@ impl Reference {
             });
             n
         };
+        let nodes: BTreeSet<u32> = self.held.keys().map(|p| p.0).collect();
+        let mut out = BTreeMap::new();
+        for node in nodes {
+            let l1 = count(&|h| holds(node, Tier::L1, h));
+            let l12 = count(&|h| holds(node, Tier::L1, h) || holds(node, Tier::L2, h));
+            if l12 > 0 {
+                out.insert(node, (l1, l12));
+            }
+        }
         let pool = count(&|h| {
             self.held
                 .iter()
