@@ -28,8 +28,8 @@ from rich.table import Table
 from evolving_infra import KvDirectory
 from evolving_infra.workloads import (
     BlockHash,
+    CcRequest,
     Conversation,
-    Request,
     TraceFormatError,
     bundled_trace_dir,
     find_trace_files,
@@ -99,7 +99,7 @@ class Cluster:
         self.ideal_hits = 0
         self.evicted = {"L1": 0, "L2": 0}
 
-    def serve(self, r: Request) -> None:
+    def serve(self, r: CcRequest) -> None:
         blocks = r.blocks
         self.ideal_hits += self._seen_before(blocks)
         held = self.directory.match(blocks).nodes

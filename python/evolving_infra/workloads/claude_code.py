@@ -1,7 +1,7 @@
 """Loader for Claude Code agent traces (the kv-cache-tester format, `data/traces/claude-code/`).
 
 One JSON file per conversation (plain, `.json.gz` or `.json.xz`). A conversation is a main
-branch plus one branch per sub-agent; every request becomes a `Request` with its absolute time
+branch plus one branch per sub-agent; every request becomes a `CcRequest` with its absolute time
 (seconds since the conversation started) and its prompt as directory block hashes.
 
 The trace's `hash_ids` name 64-token blocks and are scoped to one conversation, so they cannot
@@ -9,15 +9,18 @@ be directory hashes as they are: block i's hash is a rolling digest of (conversa
 hash_ids[0..=i]). Like an SGLang page hash, it determines the whole prefix, so two requests
 that share a prefix of `hash_ids` share the same leading hashes (their chains are consistent
 with one forest) and two conversations never share a block.
+
+Times are the file's, literally: a sub-agent request's time is its entry's `t` plus the
+request's own `t`. NOTE: for a completed sub-agent the entry's `t` is when it *finished*:
+`t - duration_ms` falls just after the parent's previous response in every bundled trace, so its
+requests' literal times come late. `importers.claude_code_trace` rebuilds spawn times and joins;
+the stats' h* follows the literal definition.
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import heapq
 import json
-import lzma
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,31 +28,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NewType
 
+from evolving_infra.workloads.blocks import BlockHash, chain_hashes, common_prefix
+from evolving_infra.workloads.errors import TraceFormatError
+from evolving_infra.workloads.files import read_bytes
+from evolving_infra.workloads.model import BranchId
+
 ConversationId = NewType("ConversationId", str)
-BranchId = NewType("BranchId", str)
-BlockHash = NewType("BlockHash", int)
 
 BLOCK_SIZE = 64
 TRACE_SUFFIXES = (".json", ".json.gz", ".json.xz")
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
-# NOTE: the person string separates these digests from any other use of blake2b; changing it
-# changes every block hash derived from a trace.
-_PERSON = b"evinfra-cc-v1"
-
-
-class TraceFormatError(ValueError):
-    """A trace file that cannot be read as this format; `path` and `field` say where."""
-
-    def __init__(self, path: Path, field: str | None, reason: str) -> None:
-        self.path = path
-        self.field = field
-        self.reason = reason
-        where = f"{path}: {field}" if field else str(path)
-        super().__init__(f"{where}: {reason}")
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class CcRequest:
     """One model call of one branch, with its prompt as directory block hashes."""
 
     conversation: ConversationId
@@ -67,50 +59,28 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class SubAgent:
+    """A sub-agent entry: the branch it runs on and how the trace records its life."""
+
+    branch: BranchId
+    parent: BranchId
+    marker_t: float  # the entry's `t` made absolute; its requests' `t` are relative to it
+    duration: float | None  # `duration_ms` in seconds; None: not recorded
+    status: str  # "completed", "async_launched", ... ("" when missing)
+    subagent_type: str
+
+
+@dataclass(frozen=True, slots=True)
 class Conversation:
     """One trace file: its requests over all branches, sorted by time (file order on ties)."""
 
     id: ConversationId
     path: Path
     branches: tuple[BranchId, ...]  # the main branch first, then sub-agents in spawn order
-    requests: tuple[Request, ...]
-
-
-def chain_hashes(
-    conversation: ConversationId,
-    hash_ids: Sequence[int],
-    prefix: Sequence[BlockHash] = (),
-) -> tuple[BlockHash, ...]:
-    """Directory hashes for `hash_ids`; `prefix` holds already known hashes of its first blocks.
-
-    digest_{-1} = blake2b(conversation id), digest_i = blake2b(digest_{i-1} || hash_ids[i]),
-    each 8 bytes; block i's hash is digest_i read as a little-endian signed 64-bit int.
-    """
-    if prefix:
-        digest = int.to_bytes(prefix[-1], 8, "little", signed=True)
-    else:
-        digest = hashlib.blake2b(conversation.encode(), digest_size=8, person=_PERSON).digest()
-    out = list(prefix)
-    for block_id in hash_ids[len(prefix) :]:
-        raw = digest + block_id.to_bytes(8, "little", signed=True)
-        digest = hashlib.blake2b(raw, digest_size=8, person=_PERSON).digest()
-        out.append(BlockHash(int.from_bytes(digest, "little", signed=True)))
-    return tuple(out)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two tuples (or two lists)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    requests: tuple[CcRequest, ...]
+    subagents: tuple[SubAgent, ...] = ()  # in file order
+    system_tokens: int = 0  # the main agent's system prompt, as the file reports it
+    tool_tokens: int = 0  # its tool definitions
 
 
 def find_trace_files(paths: Iterable[Path]) -> list[Path]:
@@ -141,7 +111,7 @@ def load_conversations(paths: Iterable[Path]) -> list[Conversation]:
     return [load_conversation(p) for p in paths]
 
 
-def merge_by_time(conversations: Sequence[Conversation]) -> Iterator[Request]:
+def merge_by_time(conversations: Sequence[Conversation]) -> Iterator[CcRequest]:
     """All requests of conversations that start together at t = 0, in time order.
 
     Ties go to the conversation listed first, then to file order within it.
@@ -150,17 +120,7 @@ def merge_by_time(conversations: Sequence[Conversation]) -> Iterator[Request]:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        if path.name.endswith(".xz"):
-            with lzma.open(path, "rb") as fx:
-                data = fx.read()
-        elif path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as fg:
-                data = fg.read()
-        else:
-            data = path.read_bytes()
-    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
-        raise TraceFormatError(path, None, f"cannot decompress: {e}") from None
+    data = read_bytes(path)
     try:
         return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -173,11 +133,12 @@ class _Parser:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.conversation = ConversationId("")
-        self.requests: list[Request] = []  # file order; index and last_in_branch set at the end
+        self.requests: list[CcRequest] = []  # file order; index and last_in_branch set at the end
         self.branches: list[BranchId] = []
         # Last request of each branch: the next one usually extends its prompt, so only the
         # new blocks are validated and hashed (and the tuples share the common prefix).
-        self.prev: dict[BranchId, Request] = {}
+        self.prev: dict[BranchId, CcRequest] = {}
+        self.subagents: list[SubAgent] = []
 
     def fail(self, field: str | None, reason: str) -> TraceFormatError:
         return TraceFormatError(self.path, field, reason)
@@ -206,6 +167,9 @@ class _Parser:
             raise self.fail(f"{where}.{key}", f"expected an int >= 0, got {value}")
         return value
 
+    def optional_count(self, obj: dict[str, Any], key: str, where: str) -> int:
+        return 0 if obj.get(key) is None else self.count(obj, key, where)
+
     def parse(self, doc: Any) -> Conversation:
         if not isinstance(doc, dict):
             raise self.fail(None, f"expected a JSON object, got {type(doc).__name__}")
@@ -224,7 +188,15 @@ class _Parser:
             seen[r.branch] += 1
             last = index == totals[r.branch] - 1
             requests.append(replace(r, index=index, last_in_branch=last))
-        return Conversation(self.conversation, self.path, tuple(self.branches), tuple(requests))
+        return Conversation(
+            self.conversation,
+            self.path,
+            tuple(self.branches),
+            tuple(requests),
+            tuple(self.subagents),
+            system_tokens=self.optional_count(doc, "system_tokens", ""),
+            tool_tokens=self.optional_count(doc, "tool_tokens", ""),
+        )
 
     def walk(self, items: list[Any], branch: BranchId, t0: float, where: str) -> None:
         self.branches.append(branch)
@@ -239,6 +211,17 @@ class _Parser:
                 sub = BranchId(f"{branch}/{agent}")
                 if sub in self.branches:
                     raise self.fail(f"{at}.agent_id", f"duplicate sub-agent {agent!r}")
+                duration = self.optional_number(item, "duration_ms", at)
+                self.subagents.append(
+                    SubAgent(
+                        branch=sub,
+                        parent=branch,
+                        marker_t=t,
+                        duration=None if duration is None else duration / 1000,
+                        status=str(item.get("status") or ""),
+                        subagent_type=str(item.get("subagent_type") or ""),
+                    )
+                )
                 self.walk(self.get(item, "requests", list, at), sub, t, f"{at}.requests")
             elif kind in ("n", "s"):
                 self.request(item, branch, t, at)
@@ -248,7 +231,7 @@ class _Parser:
     def request(self, item: dict[str, Any], branch: BranchId, t: float, at: str) -> None:
         ids = tuple(self.get(item, "hash_ids", list, at))
         prev = self.prev.get(branch)
-        k = _common_prefix(prev.hash_ids, ids) if prev is not None else 0
+        k = common_prefix(prev.hash_ids, ids) if prev is not None else 0
         for j in range(k, len(ids)):
             block_id = ids[j]
             if isinstance(block_id, bool) or not isinstance(block_id, int):
@@ -259,7 +242,7 @@ class _Parser:
         known: tuple[BlockHash, ...] = ()
         if prev is not None:
             ids, known = prev.hash_ids[:k] + ids[k:], prev.blocks[:k]
-        request = Request(
+        request = CcRequest(
             conversation=self.conversation,
             branch=branch,
             index=-1,

@@ -1,0 +1,255 @@
+"""What every generator shares: building an agent turn by turn, and filling agent slots.
+
+A generator describes one *session* (an agent from its first request to its end) by driving an
+`AgentBuilder`; `fill_slots` runs N slots of back-to-back sessions for a duration, which is what
+"N concurrent agents" means in a closed-loop trace. Every session has its own block namespace.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from evolving_infra.workloads.model import (
+    Agent,
+    AgentId,
+    BlockId,
+    Branch,
+    BranchId,
+    BranchKind,
+    Request,
+    Trace,
+    validate,
+)
+from evolving_infra.workloads.timeline import agent_timeline
+
+
+@dataclass(slots=True)
+class _Turn:
+    wait: float
+    prompt_tokens: int
+    output_tokens: int
+    blocks: tuple[BlockId, ...]
+    shared: int
+    join: tuple[BranchId, ...]
+    context_blocks: tuple[BlockId, ...] = ()  # own full blocks once the response is in
+
+
+@dataclass(slots=True)
+class BranchBuilder:
+    """One branch's context as it grows: tokens, and the ids of its full blocks.
+
+    The context is the last prompt plus its response; a request appends `new_tokens` (a tool
+    result, a screenshot, the user's next message) to it. Block ids are minted when a block
+    becomes full, so a block keeps its id as long as the tokens before it do not change.
+    """
+
+    id: BranchId
+    kind: BranchKind
+    parent: BranchId | None
+    after: int | None
+    delay: float
+    owner: AgentBuilder
+    context_tokens: int = 0
+    shared: int = 0  # leading blocks of the agent's shared prefix in the context
+    blocks: list[BlockId] = field(default_factory=list)  # own full blocks of the context
+    turns: list[_Turn] = field(default_factory=list)
+
+    def _fill(self, tokens: int) -> None:
+        """The context is now `tokens` long: mint ids for the blocks that became full."""
+        bs = self.owner.block_size
+        full = tokens // bs - self.shared
+        while len(self.blocks) < full:
+            self.blocks.append(self.owner.fresh())
+        self.context_tokens = tokens
+
+    def request(
+        self,
+        wait: float,
+        new_tokens: int,
+        output_tokens: int,
+        *,
+        join: tuple[BranchId, ...] = (),
+    ) -> int:
+        """Sends context + `new_tokens`; the response then joins the context. Returns its index."""
+        prompt = self.context_tokens + new_tokens
+        self._fill(prompt)
+        turn = _Turn(wait, prompt, output_tokens, tuple(self.blocks), self.shared, join)
+        self._fill(prompt + output_tokens)
+        turn.context_blocks = tuple(self.blocks)
+        self.turns.append(turn)
+        return len(self.turns) - 1
+
+    def compact(self, keep_tokens: int, summary_tokens: int) -> None:
+        """The next prompt keeps the first `keep_tokens` of the context, then a fresh summary."""
+        keep_tokens = min(keep_tokens, self.context_tokens)
+        bs = self.owner.block_size
+        keep_blocks = max(0, keep_tokens // bs - self.shared)
+        del self.blocks[keep_blocks:]
+        # The summary starts a new chain after the kept blocks: the partial block in between is
+        # rewritten, so its tokens are dropped from the kept part.
+        self.context_tokens = (self.shared + keep_blocks) * bs
+        self._fill(self.context_tokens + summary_tokens)
+        self.owner.compactions.add((self.id, len(self.turns)))
+
+
+@dataclass(slots=True)
+class AgentBuilder:
+    """One session's agent: its branches and a counter minting ids in its own namespace."""
+
+    id: AgentId
+    workload: str
+    block_size: int
+    start: float = 0.0
+    follows: AgentId | None = None
+    prefix: str | None = None
+    prefix_blocks: int = 0
+    branches: list[BranchBuilder] = field(default_factory=list)
+    compactions: set[tuple[BranchId, int]] = field(default_factory=set)
+    _next_id: int = 0
+
+    def fresh(self) -> BlockId:
+        self._next_id += 1
+        return BlockId(self._next_id)
+
+    def root(self, delay: float = 0.0) -> BranchBuilder:
+        assert not self.branches, "the root is the first branch"
+        b = BranchBuilder(BranchId("main"), BranchKind.ROOT, None, None, delay, self)
+        if self.prefix is not None:
+            b.shared = self.prefix_blocks
+            b.context_tokens = self.prefix_blocks * self.block_size
+        self.branches.append(b)
+        return b
+
+    def subagent(self, parent: BranchBuilder, after: int | None, delay: float) -> BranchBuilder:
+        """A sub-agent: its own context (system prompt and task), spawned by the parent."""
+        b = BranchBuilder(
+            BranchId(f"{parent.id}/s{len(self.branches)}"),
+            BranchKind.SUBAGENT,
+            parent.id,
+            after,
+            delay,
+            self,
+        )
+        self.branches.append(b)
+        return b
+
+    def fork(self, parent: BranchBuilder, after: int, delay: float = 0.0) -> BranchBuilder:
+        """A fork: starts from the parent's context right after its request `after`."""
+        t = parent.turns[after]
+        b = BranchBuilder(
+            BranchId(f"{parent.id}/f{len(self.branches)}"),
+            BranchKind.FORK,
+            parent.id,
+            after,
+            delay,
+            self,
+            shared=t.shared,
+        )
+        # The parent's context right after that response, with the same block ids.
+        b.blocks = list(t.context_blocks)
+        b.context_tokens = t.prompt_tokens + t.output_tokens
+        self.branches.append(b)
+        return b
+
+    def build(self) -> Agent:
+        branches = []
+        for b in self.branches:
+            if not b.turns:
+                continue
+            n = len(b.turns)
+            requests = tuple(
+                Request(
+                    wait=t.wait,
+                    prompt_tokens=t.prompt_tokens,
+                    output_tokens=t.output_tokens,
+                    blocks=t.blocks,
+                    shared=t.shared,
+                    join=t.join,
+                    compaction=(b.id, i) in self.compactions,
+                    end=i == n - 1,
+                )
+                for i, t in enumerate(b.turns)
+            )
+            branches.append(Branch(b.id, b.kind, b.parent, b.after, b.delay, requests))
+        return Agent(
+            id=self.id,
+            workload=self.workload,
+            namespace=str(self.id),
+            branches=tuple(branches),
+            start=self.start,
+            follows=self.follows,
+            prefix=self.prefix,
+        )
+
+
+Session = Callable[[random.Random, AgentBuilder, float], None]
+"""Fills a builder with one session; the float is the session's nominal start (for mixes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlan:
+    agents: int  # concurrent slots
+    duration: float  # seconds: a slot starts no session after this nominal time
+    seed: int
+    ramp: float | None = None  # slots start uniformly over [0, ramp); None: min(60 s, duration/10)
+
+
+def fill_slots(
+    plan: SlotPlan,
+    workload: Callable[[random.Random, float], str],
+    session: Callable[[str], Session],
+    block_size: int,
+    *,
+    name: str,
+    prefixes: Mapping[str, int] | None = None,
+    prefix_of: Callable[[str], str | None] = lambda _: None,
+    meta: Mapping[str, Any] | None = None,
+) -> Trace:
+    """N slots, each running sessions back to back until its nominal time passes the duration.
+
+    `workload(rng, t)` names the workload of a session starting at nominal time t; `session(name)`
+    is that workload's session function. Slot k's sessions are agents `k.0`, `k.1`, ..., each
+    following the previous one with no pause.
+    """
+    if plan.agents <= 0 or plan.duration <= 0:
+        raise ValueError("agents and duration must be > 0")
+    prefixes = dict(prefixes or {})
+    ramp = min(60.0, plan.duration / 10) if plan.ramp is None else plan.ramp
+    agents: list[Agent] = []
+    for slot in range(plan.agents):
+        # One generator per slot: adding slots does not change the sessions of the others.
+        rng = random.Random(f"{plan.seed}/{slot}")
+        t = rng.uniform(0.0, ramp)
+        follows: AgentId | None = None
+        k = 0
+        while t < plan.duration:
+            name_w = workload(rng, t)
+            prefix = prefix_of(name_w)
+            builder = AgentBuilder(
+                id=AgentId(f"{slot}.{k}"),
+                workload=name_w,
+                block_size=block_size,
+                start=t if follows is None else 0.0,
+                follows=follows,
+                prefix=prefix,
+                prefix_blocks=prefixes.get(prefix, 0) if prefix else 0,
+            )
+            session(name_w)(rng, builder, t)
+            agent = builder.build()
+            timed = agent_timeline(agent, t)
+            t = max((x.done for x in timed), default=t)
+            agents.append(agent)
+            follows = agent.id
+            k += 1
+    trace = Trace(
+        name=name,
+        block_size=block_size,
+        agents=tuple(agents),
+        prefixes=prefixes,
+        meta=dict(meta or {}),
+    )
+    validate(trace)
+    return trace
