@@ -1,15 +1,44 @@
-"""Seeded workload generators: one module per workload, each `generate(plan, params) -> Trace`.
+"""Seeded workload generators, one module per workload.
 
 `putnam` (math proving), `osworld` (computer use), `cc_like` (Claude Code sessions fitted to the
 real traces) and `shift` (a mix whose composition changes over time). Each module documents its
-parameters and their sources; `common` holds the agent builder and slot filling they share.
+parameters and their sources and offers `session(params) -> Session` (one agent session on an
+`AgentBuilder`) and `generate(plan, params=None) -> Trace`; `common` holds the builder and the
+slot filling they share. `generate(name, plan)` runs one by its CLI name.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from evolving_infra.workloads.generators.common import (
     AgentBuilder,
     BranchBuilder,
+    Session,
     SlotPlan,
     fill_slots,
 )
+from evolving_infra.workloads.model import Trace
 
-__all__ = ["AgentBuilder", "BranchBuilder", "SlotPlan", "fill_slots"]
+# CLI name -> module (imported on use: a generator's fitted parameters load only when needed).
+MODULES = {"putnam": "putnam", "osworld": "osworld", "cc": "cc_like", "shift": "shift"}
+
+
+def generate(name: str, plan: SlotPlan) -> Trace:
+    """The trace of generator `name` (a key of MODULES) with its default parameters."""
+    if name not in MODULES:
+        raise ValueError(f"unknown generator {name!r} (known: {', '.join(MODULES)})")
+    module = importlib.import_module(f"{__name__}.{MODULES[name]}")
+    trace: Trace = module.generate(plan)
+    return trace
+
+
+__all__ = [
+    "MODULES",
+    "AgentBuilder",
+    "BranchBuilder",
+    "Session",
+    "SlotPlan",
+    "fill_slots",
+    "generate",
+]
