@@ -18,6 +18,7 @@ import structlog
 
 from evolving_infra import demo
 from evolving_infra.workloads import TraceFormatError
+from evolving_infra.workloads import command as trace_command
 
 
 class Command(Protocol):
@@ -29,7 +30,7 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-COMMANDS: tuple[Command, ...] = (demo,)
+COMMANDS: tuple[Command, ...] = (demo, trace_command)
 
 
 class ConfigError(ValueError):

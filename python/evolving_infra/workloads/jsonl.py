@@ -221,7 +221,12 @@ class _Reader:
         for name, size in prefixes.items():
             if not _is_pos_int(size):
                 raise self.fail(f"prefixes.{name}", f"expected an int > 0, got {size!r}")
-        self.opt(rec, "meta", _is_dict, "an object", {})
+        meta = self.opt(rec, "meta", _is_dict, "an object", {})
+        # Python's parser takes NaN and Infinity, which are not JSON: a saved copy would not be.
+        try:
+            json.dumps(meta, allow_nan=False)
+        except ValueError:
+            raise self.fail("meta", "NaN and Infinity are not JSON numbers") from None
         return rec
 
     def agent(self, rec: dict[str, Any]) -> None:
