@@ -17,8 +17,9 @@ from typing import Any, Protocol
 import structlog
 
 from evolving_infra import demo
-from evolving_infra.workloads import TraceFormatError
+from evolving_infra.workloads import TraceError, TraceFormatError
 from evolving_infra.workloads import command as trace_command
+from evolving_infra.workloads.errors import WorkloadError
 
 
 class Command(Protocol):
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging()
         command: Command = args.command_obj
         return command.run(args)
-    except (ConfigError, TraceFormatError, OSError) as e:
+    except (ConfigError, TraceFormatError, TraceError, WorkloadError, OSError) as e:
         print(f"evolving-infra {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -16,9 +16,10 @@ from rich.table import Table
 
 from evolving_infra.workloads import generators, jsonl, stats
 from evolving_infra.workloads.claude_code import find_trace_files, load_conversation
-from evolving_infra.workloads.errors import TraceFormatError
+from evolving_infra.workloads.errors import TraceFormatError, WorkloadError
 from evolving_infra.workloads.importers import claude_code_trace, mooncake_trace
 from evolving_infra.workloads.model import Trace
+from evolving_infra.workloads.sampling import sample_agents
 
 NAME = "trace"
 HELP = "statistics, validation, import and generation of workload traces"
@@ -30,6 +31,7 @@ Workload traces: files of agents, their branches and their LLM requests.
   trace import claude-code   raw Claude Code traces (kv-cache-tester JSON) into one trace file
   trace import mooncake      a Mooncake FAST'25 JSONL trace into a trace file
   trace gen GENERATOR        a seeded synthetic trace (putnam, osworld, cc, shift)
+  trace sample PATH...       N concurrent agents drawn from traces, each in its own namespace
 
 PATH may be a trace file of our format (.jsonl, .jsonl.gz, .jsonl.xz), a raw Claude Code file
 (.json, .json.gz, .json.xz), a Mooncake trace (.jsonl...), or a folder of such files (searched
@@ -165,18 +167,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "nominal time; the same seed gives the same file.",
     )
     p.add_argument("generator", choices=sorted(generators.MODULES), help="the workload")
-    opts.add(p, "--agents", 1, type=_positive_int, metavar="N", help="concurrent slots (default 1)")
-    opts.add(
-        p,
-        "--duration",
-        600.0,
-        type=_positive_float,
-        metavar="S",
-        help="nominal seconds after which no slot starts a session (default 600)",
-    )
-    opts.add(p, "--seed", 0, type=int, metavar="K", help="random seed (default 0)")
+    for flag in ("--agents", "--duration", "--seed"):
+        opts.add(p, flag, **_SLOT_OPTIONS[flag])
     _output(p)
     opts.config(p)
+
+    p = actions.add_parser(
+        "sample",
+        help="N concurrent agents drawn from real or generated traces",
+        description="N slots of back-to-back sessions drawn (with replacement) from the agents "
+        "of the given traces (trace files, or raw Claude Code files and folders), each drawn "
+        "session in its own block namespace, for a duration of nominal time.",
+    )
+    p.add_argument("paths", type=Path, nargs="+", metavar="PATH", help="files or folders")
+    for flag in ("--agents", "--duration", "--seed"):
+        opts.add(p, flag, **_SLOT_OPTIONS[flag])
+    _output(p)
+    opts.config(p)
+
+
+_SLOT_OPTIONS: dict[str, dict[str, Any]] = {
+    "--agents": {
+        "default": 1,
+        "type": _positive_int,
+        "metavar": "N",
+        "help": "concurrent slots (default 1)",
+    },
+    "--duration": {
+        "default": 600.0,
+        "type": _positive_float,
+        "metavar": "S",
+        "help": "nominal seconds after which no slot starts a session (default 600)",
+    },
+    "--seed": {"default": 0, "type": int, "metavar": "K", "help": "random seed (default 0)"},
+}
 
 
 def _output(p: argparse.ArgumentParser) -> None:
@@ -196,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         "validate": _validate,
         "import": _import,
         "gen": _gen,
+        "sample": _sample,
     }
     return handlers[args.trace_action](args)
 
@@ -330,6 +355,29 @@ def _gen(args: argparse.Namespace) -> int:
     plan = generators.SlotPlan(agents=args.agents, duration=args.duration, seed=args.seed)
     trace = generators.generate(args.generator, plan)
     _write(trace, args.output)
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    files = _files(args.paths)
+    if not files:
+        raise FileNotFoundError(f"no trace files in {', '.join(map(str, args.paths))}")
+    plan = generators.SlotPlan(agents=args.agents, duration=args.duration, seed=args.seed)
+    traces = []
+    for path in files:
+        _, loaded = stats.load_file(path)
+        traces.append(loaded if isinstance(loaded, Trace) else claude_code_trace([loaded]))
+    sizes = {t.block_size for t in traces}
+    if len(sizes) > 1:
+        raise WorkloadError(f"cannot draw from traces of different block sizes {sorted(sizes)}")
+    pool = Trace(
+        name="+".join(sorted({t.name for t in traces})),
+        block_size=sizes.pop(),
+        # Ids may repeat across files; every drawn session is renamed, so that is harmless.
+        agents=tuple(a for t in traces for a in t.agents),
+        prefixes={k: v for t in traces for k, v in t.prefixes.items()},
+    )
+    _write(sample_agents(pool, plan), args.output)
     return 0
 
 

@@ -19,3 +19,7 @@ class TraceFormatError(ValueError):
         self.line = line
         where = f"{path}:{line}" if line is not None else str(path)
         super().__init__(f"{where}: {field}: {reason}" if field else f"{where}: {reason}")
+
+
+class WorkloadError(ValueError):
+    """A request a workload tool cannot carry out (traces that cannot be mixed, an empty plan)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 
+from evolving_infra.workloads.errors import WorkloadError
 from evolving_infra.workloads.generators.common import (
     AgentBuilder,
     BranchBuilder,
@@ -27,7 +28,7 @@ MODULES = {"putnam": "putnam", "osworld": "osworld", "cc": "cc_like", "shift": "
 def generate(name: str, plan: SlotPlan) -> Trace:
     """The trace of generator `name` (a key of MODULES) with its default parameters."""
     if name not in MODULES:
-        raise ValueError(f"unknown generator {name!r} (known: {', '.join(MODULES)})")
+        raise WorkloadError(f"unknown generator {name!r} (known: {', '.join(MODULES)})")
     module = importlib.import_module(f"{__name__}.{MODULES[name]}")
     trace: Trace = module.generate(plan)
     return trace

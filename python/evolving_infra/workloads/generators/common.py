@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from evolving_infra.workloads.errors import WorkloadError
 from evolving_infra.workloads.model import (
     Agent,
     AgentId,
@@ -215,7 +216,7 @@ def fill_slots(
     following the previous one with no pause.
     """
     if plan.agents <= 0 or plan.duration <= 0:
-        raise ValueError("agents and duration must be > 0")
+        raise WorkloadError("agents and duration must be > 0")
     prefixes = dict(prefixes or {})
     ramp = min(60.0, plan.duration / 10) if plan.ramp is None else plan.ramp
     agents: list[Agent] = []
