@@ -1,8 +1,10 @@
 """Agent workloads: the trace model, its file format, importers, generators and statistics.
 
 Knows no simulator. `model` defines agents, branches and requests; `jsonl` the versioned file
-format; `importers` turns real traces (Claude Code, Mooncake) into the model; `blocks` gives the
-directory hashes of a trace's prompts; `claude_code` reads the raw Claude Code format.
+format; `importers` turns real traces (Claude Code, Mooncake) into the model; `claude_code` reads
+the raw Claude Code format; `blocks` gives the directory hashes of a trace's prompts; `timeline`
+the nominal replay order; `generators/` the seeded synthetic workloads; `sampling` N concurrent
+agents drawn from a trace set; `stats` the statistics and h*; `command` the `trace` CLI.
 """
 
 from evolving_infra.workloads.blocks import BlockHash, PromptHasher, chain_hashes
