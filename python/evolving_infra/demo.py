@@ -26,6 +26,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from evolving_infra import KvDirectory
+from evolving_infra.argtypes import natural_int, positive_int
 from evolving_infra.workloads import (
     BlockHash,
     CcRequest,
@@ -294,26 +295,12 @@ def render(result: dict[str, Any], console: Console) -> None:
     console.print(summary)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
-def _natural_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
     numbers: list[tuple[str, Callable[[str], int], str]] = [
-        ("--nodes", _positive_int, "nodes in the cluster"),
-        ("--l1-blocks", _positive_int, "L1 (GPU) capacity per node, in 64-token blocks"),
-        ("--l2-blocks", _natural_int, "L2 (host) capacity per node, in blocks (0: no L2)"),
+        ("--nodes", positive_int, "nodes in the cluster"),
+        ("--l1-blocks", positive_int, "L1 (GPU) capacity per node, in 64-token blocks"),
+        ("--l2-blocks", natural_int, "L2 (host) capacity per node, in blocks (0: no L2)"),
         ("--seed", int, "seed for routing ties"),
     ]
     for flag, kind, text in numbers:
@@ -331,7 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--limit-files",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="replay only the first N trace files (sorted by name)",
     )

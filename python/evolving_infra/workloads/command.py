@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from evolving_infra.argtypes import positive_int, positive_seconds
 from evolving_infra.workloads import generators, jsonl, stats
 from evolving_infra.workloads.claude_code import find_trace_files, load_conversation
 from evolving_infra.workloads.errors import TraceFormatError, WorkloadError
@@ -46,20 +47,6 @@ that each appeared in an earlier request of the file. Claude Code files: request
 literal time order, raw hash_ids; other files: nominal replay order, directory block hashes.
 P:D is prompt tokens / output tokens; uncached P:D leaves out the tokens h* would hit. Waits are
 the seconds before a request (Claude Code: think_time). See evolving_infra.workloads.stats."""
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return value
 
 
 def _trace_path(text: str) -> Path:
@@ -189,13 +176,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _SLOT_OPTIONS: dict[str, dict[str, Any]] = {
     "--agents": {
         "default": 1,
-        "type": _positive_int,
+        "type": positive_int,
         "metavar": "N",
         "help": "concurrent slots (default 1)",
     },
     "--duration": {
         "default": 600.0,
-        "type": _positive_float,
+        "type": positive_seconds,
         "metavar": "S",
         "help": "nominal seconds after which no slot starts a session (default 600)",
     },

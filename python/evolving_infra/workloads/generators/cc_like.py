@@ -38,7 +38,7 @@ from evolving_infra.workloads.generators.common import (
     BranchBuilder,
     Session,
     SlotPlan,
-    fill_slots,
+    one_workload,
 )
 from evolving_infra.workloads.importers import (
     CLAUDE_CODE_PREFIX,
@@ -280,18 +280,6 @@ def generate(plan: SlotPlan, params: Params | None = None) -> Trace:
     """`plan.agents` slots of back-to-back Claude-Code-like sessions."""
     params = params or Params.default()
     shared = prefixes(params)
-    return fill_slots(
-        plan,
-        workload=lambda _rng, _t: NAME,
-        session=lambda _name: session(params),
-        block_size=BLOCK_SIZE,
-        name=NAME,
-        prefixes=shared,
-        prefix_of=lambda _name: CLAUDE_CODE_PREFIX if shared else None,
-        meta={
-            "generator": NAME,
-            "seed": plan.seed,
-            "shared_prefix": params.shared_prefix,
-            "params": json.loads(params.to_json()),
-        },
-    )
+    prefix = (CLAUDE_CODE_PREFIX, shared[CLAUDE_CODE_PREFIX]) if shared else None
+    meta = {"shared_prefix": params.shared_prefix, "params": json.loads(params.to_json())}
+    return one_workload(plan, NAME, session(params), prefix, meta, BLOCK_SIZE)

@@ -198,6 +198,56 @@ class SlotPlan:
     ramp: float | None = None  # slots start uniformly over [0, ramp); None: min(60 s, duration/10)
 
 
+def slot_agents(
+    plan: SlotPlan,
+    draw: Callable[[random.Random, AgentId, float, AgentId | None], Agent],
+    salt: str = "",
+) -> list[Agent]:
+    """The agents of `plan.agents` slots, each running sessions back to back.
+
+    `draw(rng, id, t, follows)` makes the session that starts at nominal time t (its `start`
+    and `follows` as given); a slot stops starting sessions once t passes the duration.
+    """
+    if plan.agents <= 0 or plan.duration <= 0:
+        raise WorkloadError("agents and duration must be > 0")
+    ramp = min(60.0, plan.duration / 10) if plan.ramp is None else plan.ramp
+    agents: list[Agent] = []
+    for slot in range(plan.agents):
+        # One generator per slot: adding slots does not change the sessions of the others.
+        rng = random.Random(f"{plan.seed}/{salt}{slot}")
+        t = rng.uniform(0.0, ramp)
+        follows: AgentId | None = None
+        k = 0
+        while t < plan.duration:
+            agent = draw(rng, AgentId(f"{slot}.{k}"), t, follows)
+            t = max((x.done for x in agent_timeline(agent, t)), default=t)
+            agents.append(agent)
+            follows = agent.id
+            k += 1
+    return agents
+
+
+def one_workload(
+    plan: SlotPlan,
+    name: str,
+    session: Session,
+    prefix: tuple[str, int] | None,
+    meta: Mapping[str, Any],
+    block_size: int,
+) -> Trace:
+    """`fill_slots` for a generator of one workload, with at most one shared prefix."""
+    return fill_slots(
+        plan,
+        workload=lambda _rng, _t: name,
+        session=lambda _name: session,
+        block_size=block_size,
+        name=name,
+        prefixes=dict([prefix]) if prefix else {},
+        prefix_of=lambda _name: prefix[0] if prefix else None,
+        meta={"generator": name, "seed": plan.seed, **meta},
+    )
+
+
 def fill_slots(
     plan: SlotPlan,
     workload: Callable[[random.Random, float], str],
@@ -215,36 +265,25 @@ def fill_slots(
     is that workload's session function. Slot k's sessions are agents `k.0`, `k.1`, ..., each
     following the previous one with no pause.
     """
-    if plan.agents <= 0 or plan.duration <= 0:
-        raise WorkloadError("agents and duration must be > 0")
-    prefixes = dict(prefixes or {})
-    ramp = min(60.0, plan.duration / 10) if plan.ramp is None else plan.ramp
-    agents: list[Agent] = []
-    for slot in range(plan.agents):
-        # One generator per slot: adding slots does not change the sessions of the others.
-        rng = random.Random(f"{plan.seed}/{slot}")
-        t = rng.uniform(0.0, ramp)
-        follows: AgentId | None = None
-        k = 0
-        while t < plan.duration:
-            name_w = workload(rng, t)
-            prefix = prefix_of(name_w)
-            builder = AgentBuilder(
-                id=AgentId(f"{slot}.{k}"),
-                workload=name_w,
-                block_size=block_size,
-                start=t if follows is None else 0.0,
-                follows=follows,
-                prefix=prefix,
-                prefix_blocks=prefixes.get(prefix, 0) if prefix else 0,
-            )
-            session(name_w)(rng, builder, t)
-            agent = builder.build()
-            timed = agent_timeline(agent, t)
-            t = max((x.done for x in timed), default=t)
-            agents.append(agent)
-            follows = agent.id
-            k += 1
+    shared = dict(prefixes or {})
+
+    def draw(rng: random.Random, agent: AgentId, t: float, follows: AgentId | None) -> Agent:
+        name_w = workload(rng, t)
+        prefix = prefix_of(name_w)
+        builder = AgentBuilder(
+            id=agent,
+            workload=name_w,
+            block_size=block_size,
+            start=t if follows is None else 0.0,
+            follows=follows,
+            prefix=prefix,
+            prefix_blocks=shared.get(prefix, 0) if prefix else 0,
+        )
+        session(name_w)(rng, builder, t)
+        return builder.build()
+
+    agents = slot_agents(plan, draw)
+    prefixes = shared
     trace = Trace(
         name=name,
         block_size=block_size,

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 
 from evolving_infra.workloads.claude_code import BLOCK_SIZE
-from evolving_infra.workloads.generators.common import AgentBuilder, Session, SlotPlan, fill_slots
+from evolving_infra.workloads.generators.common import AgentBuilder, Session, SlotPlan, one_workload
 from evolving_infra.workloads.model import Trace
 
 NAME = "putnam"
@@ -167,13 +167,6 @@ def generate(plan: SlotPlan, params: Params | None = None) -> Trace:
     """`plan.agents` slots of back-to-back Putnam sessions."""
     params = params or Params()
     shared = prefixes(params)
-    return fill_slots(
-        plan,
-        workload=lambda _rng, _t: NAME,
-        session=lambda _name: session(params),
-        block_size=BLOCK_SIZE,
-        name=NAME,
-        prefixes=shared,
-        prefix_of=lambda _name: PREFIX if shared else None,
-        meta={"generator": NAME, "seed": plan.seed, "params": dataclasses.asdict(params)},
-    )
+    prefix = (PREFIX, shared[PREFIX]) if shared else None
+    meta = {"params": dataclasses.asdict(params)}
+    return one_workload(plan, NAME, session(params), prefix, meta, BLOCK_SIZE)
