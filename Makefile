@@ -18,8 +18,9 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "maturin>=1.7,<2" "numpy>=1.26" "msgpack>=1.0" "rich>=13" "structlog>=24" \
-		"pytest>=8" "hypothesis>=6.100" "mypy>=1.11" "ruff>=0.6" "pytest-benchmark>=4"
+	$(PIP) install --quiet "maturin>=1.7,<2" "numpy>=1.26" "scipy>=1.11" "matplotlib>=3.8" \
+		"msgpack>=1.0" "rich>=13" "structlog>=24" \
+		"pytest>=8" "hypothesis>=6.100" "mypy>=1.11" "ruff>=0.6" "scipy-stubs" "pytest-benchmark>=4"
 	touch $@
 
 venv: $(STAMP) ## create .venv with the Python dependencies

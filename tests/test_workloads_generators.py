@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import random
 import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from evolving_infra.workloads import (
 )
 from evolving_infra.workloads.blocks import common_prefix
 from evolving_infra.workloads.generators import SlotPlan, osworld, putnam, shift
+from evolving_infra.workloads.generators.common import LogNormal
 from evolving_infra.workloads.timeline import trace_timeline
 
 Generate = Callable[[SlotPlan], Trace]
@@ -121,6 +124,38 @@ def test_agents_share_blocks_only_through_prefixes(name: str) -> None:
     assert {a.prefix for a in trace.agents} <= set(trace.prefixes)
 
 
+# ---- LogNormal ------------------------------------------------------------------------------
+
+
+def test_lognormal_draws_around_its_median_within_its_clip() -> None:
+    d = LogNormal(median=100.0, sigma=1.0, lo=20, hi=300)
+    rng = random.Random(0)
+    xs = [d.draw(rng) for _ in range(4000)]
+    assert within(statistics.median(xs), d.median, 0.1)
+    assert min(xs) == d.lo
+    assert max(xs) == d.hi
+    ns = [d.ints(random.Random(1)) for _ in range(3)]
+    assert ns == [round(d.draw(random.Random(1)))] * 3
+    assert all(isinstance(n, int) for n in ns)
+    assert LogNormal(5.0, 0.0, 1.0, 9.0).draw(rng) == 5.0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(10.0, -0.1, 1, 100), (0.5, 0.5, 1, 100), (200.0, 0.5, 1, 100), (10.0, float("nan"), 1, 100)],
+)
+def test_lognormal_rejects_bad_parameters(args: tuple[float, float, float, float]) -> None:
+    with pytest.raises(ValueError, match="lo <= median <= hi"):
+        LogNormal(*args)
+
+
+def test_params_go_into_the_meta_as_nested_dicts() -> None:
+    params = putnam.Params(sketch=LogNormal(median=1000.0, sigma=0.3, lo=100, hi=4000))
+    meta = putnam.generate(SMALL, params).meta["params"]
+    assert meta == dataclasses.asdict(params)
+    assert meta["sketch"] == {"median": 1000.0, "sigma": 0.3, "lo": 100, "hi": 4000}
+
+
 # ---- Putnam ---------------------------------------------------------------------------------
 
 
@@ -150,9 +185,9 @@ def test_putnam_forks_attempts(putnam_trace: Trace) -> None:
 def test_putnam_outputs_long_and_decode_heavy(putnam_trace: Trace) -> None:
     p = putnam.Params()
     outputs = [r.output_tokens for _, _, r in branch_requests(putnam_trace, BranchKind.FORK)]
-    assert within(statistics.median(outputs), p.attempt_output_median, 0.15)
-    assert min(outputs) >= p.attempt_output_min >= 1000
-    assert max(outputs) <= p.attempt_output_max
+    assert within(statistics.median(outputs), p.attempt_output.median, 0.15)
+    assert min(outputs) >= p.attempt_output.lo >= 1000
+    assert max(outputs) <= p.attempt_output.hi
     retried = [len(b.requests) for a in putnam_trace.agents for b in a.branches[1:]]
     # Each check passes with p_verified: a few attempts stop early, most use every retry.
     full = sum(n == 1 + p.max_retries for n in retried) / len(retried)
@@ -169,7 +204,7 @@ def test_putnam_without_shared_prefix() -> None:
     for a in trace.agents:
         assert a.prefix is None
         assert len(a.root.requests) == 1
-        assert a.root.requests[0].prompt_tokens >= params.system_tokens + params.problem_min
+        assert a.root.requests[0].prompt_tokens >= params.system_tokens + params.problem.lo
 
 
 # ---- OSWorld --------------------------------------------------------------------------------
@@ -193,16 +228,24 @@ def test_osworld_turns_screenshots_and_waits(osworld_trace: Trace) -> None:
             # The prompt grows by the previous action and a screenshot with its text.
             observations.append(r.prompt_tokens - prev.prompt_tokens - prev.output_tokens - shot)
     assert len(steps) >= 100
-    assert all(p.steps_min <= n <= p.max_steps for n in steps)
+    assert all(p.steps.lo <= n <= p.max_steps for n in steps)
     at_limit = sum(n == p.max_steps for n in steps) / len(steps)
     assert abs(at_limit - p.p_step_limit) < 0.1
     early = [n for n in steps if n < p.max_steps]
-    assert within(statistics.median(early), p.steps_median, 0.2)
-    assert p.observation_min <= min(observations) <= max(observations) <= p.observation_max
-    assert within(statistics.median(observations), p.observation_median, 0.15)
-    assert within(statistics.median(waits), p.action_wait_median, 0.15)
-    assert p.action_wait_min <= min(waits) <= max(waits) <= p.action_wait_max
-    assert within(statistics.median(outputs), p.output_median, 0.15)
+    assert within(statistics.median(early), p.steps.median, 0.2)
+    assert p.observation.lo <= min(observations) <= max(observations) <= p.observation.hi
+    assert within(statistics.median(observations), p.observation.median, 0.15)
+    assert within(statistics.median(waits), p.action_wait.median, 0.15)
+    assert p.action_wait.lo <= min(waits) <= max(waits) <= p.action_wait.hi
+    assert within(statistics.median(outputs), p.output.median, 0.15)
+
+
+def test_osworld_step_limit_caps_early_episodes() -> None:
+    params = osworld.Params(max_steps=15, p_step_limit=0.0)
+    trace = osworld.generate(SlotPlan(agents=10, duration=1800, seed=4), params)
+    steps = [len(a.root.requests) for a in trace.agents]
+    assert all(params.steps.lo <= n <= params.max_steps for n in steps)
+    assert params.max_steps in steps  # lognormal draws past the limit are clipped to it
 
 
 def test_osworld_screenshot_window_rewrites_the_window() -> None:
@@ -217,7 +260,7 @@ def test_osworld_screenshot_window_rewrites_the_window() -> None:
             prev, r = rs[i - 1], rs[i]
             grown = r.prompt_tokens - prev.prompt_tokens - prev.output_tokens
             # Past the window a screenshot leaves for each one that comes in.
-            lo, hi = params.observation_min, params.observation_max
+            lo, hi = params.observation.lo, params.observation.hi
             if i < k:
                 lo, hi = lo + shot, hi + shot
             assert lo <= grown <= hi

@@ -7,6 +7,7 @@ A generator describes one *session* (an agent from its first request to its end)
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,32 @@ from evolving_infra.workloads.model import (
     validate,
 )
 from evolving_infra.workloads.timeline import agent_timeline
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """A lognormal quantity with the given median, clipped to [lo, hi].
+
+    A draw is `median * exp(sigma * z)` for a standard normal z, then clipped; `sigma` is the
+    standard deviation of its logarithm. A generator's parameters hold one per drawn quantity.
+    """
+
+    median: float
+    sigma: float
+    lo: float
+    hi: float
+
+    def __post_init__(self) -> None:
+        if not (self.sigma >= 0 and self.lo <= self.median <= self.hi):
+            raise ValueError(f"need sigma >= 0 and lo <= median <= hi, got {self}")
+
+    def draw(self, rng: random.Random) -> float:
+        """One draw (one `rng.gauss`)."""
+        return min(self.hi, max(self.lo, self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))))
+
+    def ints(self, rng: random.Random) -> int:
+        """One draw, rounded: a count of tokens, steps, ..."""
+        return round(self.draw(rng))
 
 
 @dataclass(slots=True)

@@ -24,8 +24,13 @@ import random
 from dataclasses import dataclass
 
 from evolving_infra.workloads.claude_code import BLOCK_SIZE
-from evolving_infra.workloads.generators.common import AgentBuilder, Session, SlotPlan, one_workload
-from evolving_infra.workloads.generators.putnam import lognormal
+from evolving_infra.workloads.generators.common import (
+    AgentBuilder,
+    LogNormal,
+    Session,
+    SlotPlan,
+    one_workload,
+)
 from evolving_infra.workloads.model import Trace
 
 NAME = "osworld"
@@ -41,10 +46,7 @@ class Params:
     shared_prefix: bool = True
     # Task instruction tokens: lognormal, clipped. Assumption: OSWorld instructions are one or
     # two sentences, so tens of tokens.
-    instruction_median: float = 40.0
-    instruction_sigma: float = 0.5
-    instruction_min: int = 8
-    instruction_max: int = 400
+    instruction: LogNormal = LogNormal(median=40.0, sigma=0.5, lo=8, hi=400)
     # Screen size in pixels. OSWorld's VMs run at 1920x1080 by default.
     screen_width: int = 1920
     screen_height: int = 1080
@@ -57,33 +59,23 @@ class Params:
     screenshot_tokens_override: int = 0
     # Observation text sent with each screenshot (step number, "action executed", errors):
     # lognormal tokens, clipped. Assumption: a line or two.
-    observation_median: float = 30.0
-    observation_sigma: float = 0.5
-    observation_min: int = 5
-    observation_max: int = 500
+    observation: LogNormal = LogNormal(median=30.0, sigma=0.5, lo=5, hi=500)
     # One response: reasoning plus one action. Lognormal tokens, clipped. Assumption: a short
     # ReAct-style thought and a few lines of pyautogui, hundreds of tokens.
-    output_median: float = 300.0
-    output_sigma: float = 0.6
-    output_min: int = 30
-    output_max: int = 4000
+    output: LogNormal = LogNormal(median=300.0, sigma=0.6, lo=30, hi=4000)
     # Step limit: OSWorld evaluates with 15 and with 50 steps; 50 is the longer budget.
     max_steps: int = 50
     # Chance that an episode runs to the step limit. Assumption: agents fail most OSWorld tasks
     # (the paper's best model succeeded on ~12% of them, humans on ~72%) and a failing agent
     # often loops until the limit rather than declaring failure.
     p_step_limit: float = 0.3
-    # Steps of an episode that ends early (done / fail): lognormal, clipped to [min, max_steps].
-    # Assumption: a dozen steps, the order of the human trajectories the tasks are built from.
-    steps_median: float = 12.0
-    steps_sigma: float = 0.5
-    steps_min: int = 3
+    # Steps of an episode that ends early (done / fail): lognormal, clipped to [lo, hi] and to
+    # max_steps. Assumption: a dozen steps, the order of the human trajectories the tasks are
+    # built from.
+    steps: LogNormal = LogNormal(median=12.0, sigma=0.5, lo=3, hi=50)
     # Seconds between a response and the next request: executing the action, letting the UI
     # settle, capturing the screenshot. Lognormal, clipped. Assumption: a few seconds.
-    action_wait_median: float = 3.0
-    action_wait_sigma: float = 0.5
-    action_wait_min: float = 0.5
-    action_wait_max: float = 60.0
+    action_wait: LogNormal = LogNormal(median=3.0, sigma=0.5, lo=0.5, hi=60.0)
     # Screenshots kept in the prompt (0: the whole history). Modelling choice; see the docstring.
     keep_screenshots: int = 0
 
@@ -102,21 +94,11 @@ def prefixes(params: Params) -> dict[str, int]:
     return {PREFIX: blocks} if params.shared_prefix and blocks else {}
 
 
-def _tokens(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return round(lognormal(rng, median, sigma, lo, hi))
-
-
-def _action_wait(rng: random.Random, p: Params) -> float:
-    return lognormal(
-        rng, p.action_wait_median, p.action_wait_sigma, p.action_wait_min, p.action_wait_max
-    )
-
-
 def session(params: Params) -> Session:
     """One task: a single branch of screenshot turns until done or the step limit."""
     p = params
-    if not 1 <= p.steps_min <= p.max_steps or p.keep_screenshots < 0:
-        raise ValueError("need 1 <= steps_min <= max_steps and keep_screenshots >= 0")
+    if not 1 <= p.steps.lo <= p.max_steps or p.keep_screenshots < 0:
+        raise ValueError("need 1 <= steps.lo <= max_steps and keep_screenshots >= 0")
     shot = screenshot_tokens(p)
     own_system = p.system_tokens - BLOCK_SIZE * prefixes(p).get(PREFIX, 0)
 
@@ -125,21 +107,17 @@ def session(params: Params) -> Session:
         if rng.random() < p.p_step_limit:
             steps = p.max_steps
         else:
-            steps = round(lognormal(rng, p.steps_median, p.steps_sigma, p.steps_min, p.max_steps))
+            steps = min(p.max_steps, p.steps.ints(rng))
         main = b.root()
-        instruction = _tokens(
-            rng, p.instruction_median, p.instruction_sigma, p.instruction_min, p.instruction_max
-        )
+        instruction = p.instruction.ints(rng)
         # Tokens of the context before the first screenshot: what truncation never rewrites.
         head = main.context_tokens + own_system + instruction
         texts: list[int] = []  # per step: observation text + response (kept after truncation)
         dropped = 0  # steps whose screenshot has left the prompt
         for i in range(steps):
-            wait = _action_wait(rng, p) if i else 0.0
-            obs = _tokens(
-                rng, p.observation_median, p.observation_sigma, p.observation_min, p.observation_max
-            )
-            out = _tokens(rng, p.output_median, p.output_sigma, p.output_min, p.output_max)
+            wait = p.action_wait.draw(rng) if i else 0.0
+            obs = p.observation.ints(rng)
+            out = p.output.ints(rng)
             if p.keep_screenshots and i + 1 - dropped > p.keep_screenshots:
                 # The prompt keeps everything up to the first screenshot it drops; after that
                 # come the texts of the newly stripped steps and the window, all rewritten.

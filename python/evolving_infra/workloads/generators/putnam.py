@@ -18,12 +18,17 @@ appended to a cached context between turns (an instruction, compiler errors) is 
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from dataclasses import dataclass
 
 from evolving_infra.workloads.claude_code import BLOCK_SIZE
-from evolving_infra.workloads.generators.common import AgentBuilder, Session, SlotPlan, one_workload
+from evolving_infra.workloads.generators.common import (
+    AgentBuilder,
+    LogNormal,
+    Session,
+    SlotPlan,
+    one_workload,
+)
 from evolving_infra.workloads.model import Trace
 
 NAME = "putnam"
@@ -41,17 +46,11 @@ class Params:
     # Problem statement tokens: lognormal median/sigma, clipped. Assumption: a Putnam problem is
     # a paragraph of prose plus a Lean 4 theorem statement of a few to a few dozen lines
     # (PutnamBench's formalisations), so hundreds of tokens.
-    problem_median: float = 350.0
-    problem_sigma: float = 0.4
-    problem_min: int = 80
-    problem_max: int = 2000
+    problem: LogNormal = LogNormal(median=350.0, sigma=0.4, lo=80, hi=2000)
     # The main branch's informal proof sketch, which all attempts share. Assumption: a sketch /
     # subgoal decomposition before formal proving (the pipeline of DeepSeek-Prover-V2, Ren et
     # al. 2025); its length, ~2k tokens of reasoning, is assumed.
-    sketch_median: float = 2000.0
-    sketch_sigma: float = 0.6
-    sketch_min: int = 200
-    sketch_max: int = 16384
+    sketch: LogNormal = LogNormal(median=2000.0, sigma=0.6, lo=200, hi=16384)
     # Parallel proof attempts per problem (forks of the main branch). Assumption: provers are
     # evaluated pass@K with K from 32 upward; 8 concurrent samples per session keeps one
     # session's fan-out moderate while still exercising fork-shared prefixes.
@@ -62,10 +61,7 @@ class Params:
     # thousands to tens of thousands of tokens on hard math (DeepSeek-R1, Guo et al. 2025: the
     # mean response length of R1-Zero grows to ~10k tokens during RL; its evaluation caps
     # generation at 32,768 tokens, hence the clip). The 8k median is an assumption in that range.
-    attempt_output_median: float = 8000.0
-    attempt_output_sigma: float = 0.6
-    attempt_output_min: int = 1000
-    attempt_output_max: int = 32768
+    attempt_output: LogNormal = LogNormal(median=8000.0, sigma=0.6, lo=1000, hi=32768)
     # Feedback rounds after a failed check (each: compiler errors in, a new attempt out).
     # Assumption: a small repair budget, as in verifier-feedback provers.
     max_retries: int = 2
@@ -73,38 +69,17 @@ class Params:
     # problems are hard; the systems evaluated in PutnamBench solved only a handful of them.
     p_verified: float = 0.1
     # Lean compiler feedback (errors with goal states): lognormal tokens, clipped. Assumption.
-    feedback_median: float = 600.0
-    feedback_sigma: float = 0.8
-    feedback_min: int = 50
-    feedback_max: int = 8000
+    feedback: LogNormal = LogNormal(median=600.0, sigma=0.8, lo=50, hi=8000)
     # Seconds to check a proof with Lean (the wait before the feedback turn): lognormal,
     # clipped. Assumption: seconds to a minute with Mathlib already loaded in a warm REPL.
-    verify_median: float = 15.0
-    verify_sigma: float = 0.8
-    verify_min: float = 1.0
-    verify_max: float = 300.0
+    verify: LogNormal = LogNormal(median=15.0, sigma=0.8, lo=1.0, hi=300.0)
     # Whether the main branch joins the attempts for a final answer. Modelling choice.
     final_answer: bool = True
     # Tokens per attempt reported to the final turn (verdict and proof or last errors):
     # lognormal median, clipped. Assumption: a Lean proof of tens of lines.
-    result_median: float = 400.0
-    result_sigma: float = 0.6
-    result_min: int = 20
-    result_max: int = 4000
+    result: LogNormal = LogNormal(median=400.0, sigma=0.6, lo=20, hi=4000)
     # The final answer: lognormal tokens, clipped. Assumption: a write-up shorter than an attempt.
-    final_median: float = 1500.0
-    final_sigma: float = 0.6
-    final_min: int = 100
-    final_max: int = 16384
-
-
-def lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: float) -> float:
-    """A lognormal draw with the given median, clipped to [lo, hi]."""
-    return min(hi, max(lo, median * math.exp(sigma * rng.gauss(0.0, 1.0))))
-
-
-def _tokens(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return round(lognormal(rng, median, sigma, lo, hi))
+    final: LogNormal = LogNormal(median=1500.0, sigma=0.6, lo=100, hi=16384)
 
 
 def prefixes(params: Params) -> dict[str, int]:
@@ -124,43 +99,28 @@ def session(params: Params) -> Session:
     def run(rng: random.Random, b: AgentBuilder, t: float) -> None:
         del t  # the workload does not change over the trace
         main = b.root()
-        problem = _tokens(rng, p.problem_median, p.problem_sigma, p.problem_min, p.problem_max)
-        sketch = _tokens(rng, p.sketch_median, p.sketch_sigma, p.sketch_min, p.sketch_max)
+        problem = p.problem.ints(rng)
+        sketch = p.sketch.ints(rng)
         first = main.request(0.0, own_system + problem, sketch)
         forks = []
         for _ in range(p.attempts):
             f = b.fork(main, first)
-            f.request(0.0, p.attempt_prompt_tokens, _attempt(rng, p))
+            f.request(0.0, p.attempt_prompt_tokens, p.attempt_output.ints(rng))
             for _ in range(p.max_retries):
                 if rng.random() < p.p_verified:
                     break
-                wait = lognormal(rng, p.verify_median, p.verify_sigma, p.verify_min, p.verify_max)
-                feedback = _tokens(
-                    rng, p.feedback_median, p.feedback_sigma, p.feedback_min, p.feedback_max
-                )
-                f.request(wait, feedback, _attempt(rng, p))
+                wait = p.verify.draw(rng)
+                feedback = p.feedback.ints(rng)
+                f.request(wait, feedback, p.attempt_output.ints(rng))
             forks.append(f)
         if p.final_answer:
             # The wait is the check of the attempts' last proofs, run once they have all ended.
-            wait = lognormal(rng, p.verify_median, p.verify_sigma, p.verify_min, p.verify_max)
-            results = sum(
-                _tokens(rng, p.result_median, p.result_sigma, p.result_min, p.result_max)
-                for _ in forks
-            )
-            final = _tokens(rng, p.final_median, p.final_sigma, p.final_min, p.final_max)
+            wait = p.verify.draw(rng)
+            results = sum(p.result.ints(rng) for _ in forks)
+            final = p.final.ints(rng)
             main.request(wait, results, final, join=tuple(f.id for f in forks))
 
     return run
-
-
-def _attempt(rng: random.Random, p: Params) -> int:
-    return _tokens(
-        rng,
-        p.attempt_output_median,
-        p.attempt_output_sigma,
-        p.attempt_output_min,
-        p.attempt_output_max,
-    )
 
 
 def generate(plan: SlotPlan, params: Params | None = None) -> Trace:

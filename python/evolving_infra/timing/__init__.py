@@ -1,0 +1,53 @@
+"""Timing: the iteration-time model, its ground truths and the TTFT predictor (no decisions).
+
+`samples` is the one interface timing sources feed (prefill batches of (uncached, cached)
+tokens, decode batch size and context); `specs` holds model and GPU figures; `truth` the hidden
+roofline ground truth that the simulated engine and the simulator run on; `model` the online
+`IterationModel`; `ttft` the per-node TTFT predictor.
+"""
+
+from evolving_infra.timing.samples import (
+    BadSampleError,
+    PrefillBatch,
+    Sample,
+    SampleFileError,
+    Timing,
+    TimingError,
+    read_csv,
+    write_csv,
+)
+from evolving_infra.timing.specs import (
+    A100,
+    DEFAULT_DEPLOYMENT,
+    GPUS,
+    H100,
+    H200,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    MODELS,
+    Deployment,
+    GpuSpec,
+    ModelConfig,
+)
+
+__all__ = [
+    "A100",
+    "DEFAULT_DEPLOYMENT",
+    "GPUS",
+    "H100",
+    "H200",
+    "LLAMA3_8B",
+    "LLAMA3_70B",
+    "MODELS",
+    "BadSampleError",
+    "Deployment",
+    "GpuSpec",
+    "ModelConfig",
+    "PrefillBatch",
+    "Sample",
+    "SampleFileError",
+    "Timing",
+    "TimingError",
+    "read_csv",
+    "write_csv",
+]
