@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import structlog
 
 from evolving_infra import demo
+from evolving_infra.timing import command as model_command
 from evolving_infra.workloads import TraceError, TraceFormatError
 from evolving_infra.workloads import command as trace_command
 from evolving_infra.workloads.errors import WorkloadError
@@ -31,7 +32,7 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-COMMANDS: tuple[Command, ...] = (demo, trace_command)
+COMMANDS: tuple[Command, ...] = (demo, trace_command, model_command)
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,205 @@
+"""The hidden ground-truth iteration time: a per-operation roofline of a real model on a real GPU.
+
+The simulated engine and the cluster simulator run on `RooflineTruth`; policies never see it. They
+see only the online-fitted `IterationModel`, whose prefill features are `1, Σt_uc, ΣA, Σt_c` (with
+A = t_uc·t_c + t_uc(t_uc+1)/2) and decode features `1, B, C`. The truth deliberately does not
+share that form: every kernel is `max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth)`, GEMM
+and attention efficiencies grow with the number of rows, and the kernels of an iteration run one
+after another (their times add). A purely linear model therefore cannot match it exactly (see
+`tests/test_timing_truth.py`), which is why the predictor needs its own roofline handling.
+
+Modelled per iteration, per GPU under tensor parallelism `tp` (weights, heads and the MLP sharded):
+the Q/K/V, O, gate/up and down GEMMs of every layer; the LM head (once per sequence in prefill,
+since SGLang computes logits for the last position only; once per token in decode); attention per
+request (prefill) or over the whole batch's KV (decode); the fused element-wise kernels (residual
+add + RMSNorm twice, SiLU-and-mul); two all-reduces per layer; a fixed per-iteration and a
+per-request overhead. Not modelled: the logits gather, rotary embedding, KV-cache writes beyond
+the attention read, kernel overlap, and thermal or clock variation (the lognormal noise stands in).
+
+Sanity figures, default deployment (Llama-3-70B, TP4, H100 SXM), noise-free:
+decode B=1 with 2k context ≈ 15.1 ms (weight-read bound: 34.7 GB per GPU at 0.85 x 3.35 TB/s is
+12.2 ms, plus 1.3 ms of all-reduce latency and 1.5 ms overhead); B=64 with 8k context each ≈ 33 ms
+(KV reads now dominate). A single 8k-token prefill ≈ 0.55 s, i.e. ≈ 14.9k tokens/s per 4-GPU node
+(GEMMs 70%, all-reduce 15%, element-wise 7%, attention 7%); 32k tokens ≈ 2.6 s (attention 23%).
+The GEMM roofline knee is ≈ 130 tokens per iteration, but fixed costs (overheads, all-reduce
+latency) keep the time per token falling until a few thousand tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from evolving_infra.timing.samples import PrefillBatch, Sample, TimingError
+from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
+
+
+class TruthInputError(TimingError):
+    """A batch the ground truth cannot time (negative tokens, empty batch, bad configuration)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """Fractions of peak the kernels reach, and fixed costs. All are assumptions unless sourced."""
+
+    # GEMM compute efficiency at large N: cuBLAS BF16 GEMMs of these shapes measure ~700-750
+    # TFLOP/s on H100 SXM (0.7-0.75 of the 989 TFLOP/s dense peak). Assumption, from public GEMM
+    # benchmarks; the upper end, since prefill GEMMs here are large (N in the thousands).
+    gemm_max: float = 0.75
+    # Tokens at which a GEMM reaches half of `gemm_max`: eff(N) = gemm_max·N/(N + gemm_half).
+    # Small N leaves most 128-row tensor-core tiles empty. Assumption (one tile height).
+    gemm_half: float = 128.0
+    # Fraction of HBM bandwidth streaming kernels reach (weight reads, KV reads, element-wise);
+    # GEMV/decode kernels measure 80-90% of the datasheet figure. Assumption.
+    memory: float = 0.85
+    # FlashAttention-style prefill efficiency on long queries: FA2/FA3 report 50-70% of peak on
+    # H100 for long sequences. Assumption: 0.6.
+    attention_max: float = 0.6
+    # Query tokens at which prefill attention reaches half of `attention_max`: short query blocks
+    # fill few tiles even against a long cached prefix. Assumption.
+    attention_half: float = 128.0
+    # Decode attention compute efficiency (one query per sequence; GQA packs the query heads of a
+    # KV head into one tile). Memory-bound anyway, so the value barely matters. Assumption.
+    decode_attention: float = 0.3
+    # Fraction of NVLink per-direction bandwidth a ring all-reduce reaches (nccl-tests bus
+    # bandwidth on H100 NVLink is ~360-400 of 450 GB/s). Assumption: 0.85.
+    link: float = 0.85
+    # Fixed latency of one all-reduce: NCCL / custom all-reduce small-message latency on NVLink
+    # is 5-10 µs. Assumption: 8 µs.
+    all_reduce_latency: float = 8e-6
+    # Per-iteration CPU scheduling, batch preparation and kernel launches. Prefill runs eagerly
+    # (no CUDA graphs): assumption 3 ms. Decode replays a CUDA graph: assumption 1.5 ms.
+    prefill_overhead: float = 3e-3
+    decode_overhead: float = 1.5e-3
+    # Per request in the batch: sampling, detokenisation hand-off, batch bookkeeping. Assumption.
+    per_request: float = 20e-6
+
+
+class RooflineTruth:
+    """Implements `Timing`. Expected times are noise-free; `*_time` multiply a lognormal noise."""
+
+    def __init__(
+        self,
+        deployment: Deployment = DEFAULT_DEPLOYMENT,
+        *,
+        noise: float = 0.02,
+        seed: int = 0,
+        efficiency: Efficiency = Efficiency(),
+    ) -> None:
+        if deployment.tp < 1:
+            raise TruthInputError(f"tensor parallelism must be >= 1, got {deployment.tp}")
+        if not math.isfinite(noise) or noise < 0:
+            raise TruthInputError(f"noise must be a finite sigma >= 0, got {noise}")
+        self.deployment = deployment
+        self.noise = noise
+        self.efficiency = efficiency
+        self._rng = random.Random(seed)
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def breakdown_prefill(self, batch: PrefillBatch) -> dict[str, float]:
+        """Seconds per operation of one prefill iteration (noise-free)."""
+        if not batch:
+            raise TruthInputError("a prefill batch needs at least one request")
+        for u, c in batch:
+            if u < 0 or c < 0:
+                raise TruthInputError(f"token counts must be >= 0, got ({u}, {c})")
+        tokens = sum(u for u, _ in batch)
+        out = self._dense(tokens, lm_rows=len(batch))
+        out["attention"] = sum(self._prefill_attention(u, c) for u, c in batch)
+        e = self.efficiency
+        out["overhead"] = e.prefill_overhead + e.per_request * len(batch)
+        return out
+
+    def breakdown_decode(self, batch_size: int, context_tokens: int) -> dict[str, float]:
+        """Seconds per operation of one decode iteration (noise-free); C is the batch's total KV."""
+        if batch_size <= 0:
+            raise TruthInputError(f"a decode batch needs batch_size > 0, got {batch_size}")
+        if context_tokens < 0:
+            raise TruthInputError(f"context tokens must be >= 0, got {context_tokens}")
+        m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
+        out = self._dense(batch_size, lm_rows=batch_size)
+        # One batched kernel over all the KV: reading it dominates (~1 FLOP per byte).
+        out["attention"] = self._roofline(
+            m.attention_flops_per_pair * context_tokens / tp,
+            e.decode_attention,
+            m.kv_bytes_per_token * context_tokens / tp,
+        )
+        out["overhead"] = e.decode_overhead + e.per_request * batch_size
+        return out
+
+    def expected_prefill_time(self, batch: PrefillBatch) -> float:
+        return sum(self.breakdown_prefill(batch).values())
+
+    def expected_decode_time(self, batch_size: int, context_tokens: int) -> float:
+        return sum(self.breakdown_decode(batch_size, context_tokens).values())
+
+    def prefill_time(self, batch: PrefillBatch) -> float:
+        return self.expected_prefill_time(batch) * self._noise()
+
+    def decode_time(self, batch_size: int, context_tokens: int) -> float:
+        return self.expected_decode_time(batch_size, context_tokens) * self._noise()
+
+    def sample_prefill(self, batch: PrefillBatch) -> Sample:
+        return Sample("prefill", self.prefill_time(batch), batch=tuple((u, c) for u, c in batch))
+
+    def sample_decode(self, batch_size: int, context_tokens: int) -> Sample:
+        seconds = self.decode_time(batch_size, context_tokens)
+        return Sample("decode", seconds, batch_size=batch_size, context_tokens=context_tokens)
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def _noise(self) -> float:
+        # Lognormal with a zero-mean log: the median iteration is the expected one.
+        return math.exp(self._rng.gauss(0.0, self.noise)) if self.noise > 0 else 1.0
+
+    def _roofline(self, flops: float, compute_eff: float, nbytes: float) -> float:
+        gpu, e = self.deployment.gpu, self.efficiency
+        compute = flops / (gpu.flops * compute_eff) if flops > 0 else 0.0
+        return max(compute, nbytes / (gpu.hbm_bandwidth * e.memory))
+
+    def _gemm(self, rows: int, d_in: float, d_out: float) -> float:
+        """One GEMM of `rows` tokens by a (d_in x d_out) weight shard: weights read once."""
+        if rows == 0:
+            return 0.0
+        e, bpp = self.efficiency, self.deployment.model.bytes_per_param
+        eff = e.gemm_max * rows / (rows + e.gemm_half)
+        nbytes = bpp * (d_in * d_out + rows * (d_in + d_out))
+        return self._roofline(2.0 * rows * d_in * d_out, eff, nbytes)
+
+    def _dense(self, tokens: int, lm_rows: int) -> dict[str, float]:
+        """Token-parallel work: the layers' GEMMs, element-wise kernels, all-reduces, LM head."""
+        m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
+        h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+        # Column-parallel QKV and gate/up, row-parallel O and down (Megatron sharding).
+        out = {
+            "qkv": m.layers * self._gemm(tokens, h, (q + 2 * kv) / tp),
+            "o_proj": m.layers * self._gemm(tokens, q / tp, h),
+            "mlp_gate_up": m.layers * self._gemm(tokens, h, 2 * m.intermediate / tp),
+            "mlp_down": m.layers * self._gemm(tokens, m.intermediate / tp, h),
+            "lm_head": self._gemm(lm_rows, h, m.vocab / tp),
+        }
+        # Fused add+RMSNorm twice (read x and residual, write both) and SiLU-and-mul (read 2,
+        # write 1 of the sharded intermediate): memory-bound, replicated on every rank.
+        per_token = m.bytes_per_param * (8 * h + 3 * m.intermediate / tp)
+        out["elementwise"] = self._roofline(0.0, 1.0, m.layers * tokens * per_token)
+        if tp == 1:
+            out["all_reduce"] = 0.0
+        else:
+            # Ring all-reduce: every rank sends and receives 2(tp-1)/tp of the activations.
+            moved = 2 * (tp - 1) / tp * tokens * h * m.bytes_per_param
+            one = e.all_reduce_latency + moved / (self.deployment.gpu.link_bandwidth * e.link)
+            out["all_reduce"] = 2 * m.layers * one
+        return out
+
+    def _prefill_attention(self, uncached: int, cached: int) -> float:
+        """Causal attention of `uncached` new queries over `cached` + `uncached` keys."""
+        if uncached == 0:
+            return 0.0
+        m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
+        pairs = uncached * cached + uncached * (uncached + 1) / 2
+        eff = e.attention_max * uncached / (uncached + e.attention_half)
+        # Read the cached KV, write the new KV; the Q and O activations are small beside it.
+        nbytes = m.kv_bytes_per_token * (cached + uncached) / tp
+        return self._roofline(m.attention_flops_per_pair * pairs / tp, eff, nbytes)
