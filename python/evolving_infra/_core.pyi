@@ -107,6 +107,19 @@ class PrefixMatch:
     def l12(self) -> npt.NDArray[np.int64]:
         """Leading query blocks in each node's L1 or L2, aligned with `node_ids`."""
 
+    def ttft(
+        self,
+        prompt_tokens: int,
+        block_size: int,
+        coefficients: tuple[float, float, float, float, float, float],
+        l2_seconds_per_block: float,
+        pool_seconds_per_block: float,
+        slot: npt.NDArray[np.int64],
+        queue: npt.NDArray[np.float64],
+        out: npt.NDArray[np.float64],
+    ) -> int:
+        """Each candidate's predicted TTFT into `out`; returns the index of the least."""
+
     def __len__(self) -> int:
         """Number of nodes with l12 > 0."""
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import structlog
 
 from evolving_infra import demo
+from evolving_infra.timing import TimingError
 from evolving_infra.timing import command as model_command
 from evolving_infra.workloads import TraceError, TraceFormatError
 from evolving_infra.workloads import command as trace_command
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging()
         command: Command = args.command_obj
         return command.run(args)
-    except (ConfigError, TraceFormatError, TraceError, WorkloadError, OSError) as e:
+    except (ConfigError, TraceFormatError, TraceError, WorkloadError, TimingError, OSError) as e:
         print(f"evolving-infra {args.command}: error: {e}", file=sys.stderr)
         return 2
 

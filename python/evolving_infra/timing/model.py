@@ -444,6 +444,13 @@ class IterationModel:
         pairs = uncached * cached + uncached * (uncached + 1) * 0.5
         return self._phases["prefill"].fit.one(uncached, pairs, cached)
 
+    def prefill_coefficients(self) -> tuple[float, float, float, float, float, float]:
+        """(intercept, uncached, hinge, attention, cached, knee) as plain floats, for callers
+        that evaluate the prefill form themselves (the TTFT predictor, over many nodes)."""
+        f = self._phases["prefill"].fit
+        b0, b1, b2, b3, b4 = f.coef
+        return b0, b1, b2, b3, b4, f.knee
+
     def predict_decode(self, batch_size: int, context_tokens: int) -> float:
         """Seconds for one decode step of `batch_size` requests over `context_tokens` of KV."""
         return self._phases["decode"].fit.one(batch_size, context_tokens)

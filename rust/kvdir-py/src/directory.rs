@@ -7,7 +7,7 @@
 //! waited for while the GIL is held, and the GIL is never taken while the lock is held, so the
 //! two cannot deadlock.
 
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -330,6 +330,42 @@ impl PrefixMatch {
     #[getter]
     fn cluster(&self) -> u32 {
         self.inner.cluster
+    }
+
+    /// Each candidate's predicted TTFT into `out`; returns the index of the least.
+    /// The router's hot path (`evolving_infra.timing.ttft` says what the figures mean).
+    #[pyo3(signature = (prompt_tokens, block_size, coefficients, l2_seconds_per_block,
+        pool_seconds_per_block, slot, queue, out))]
+    #[allow(clippy::too_many_arguments)] // one flat call: every argument is a number or array
+    fn ttft(
+        &self,
+        prompt_tokens: u64,
+        block_size: u32,
+        coefficients: (f64, f64, f64, f64, f64, f64),
+        l2_seconds_per_block: f64,
+        pool_seconds_per_block: f64,
+        slot: PyReadonlyArray1<'_, i64>,
+        queue: PyReadonlyArray1<'_, f64>,
+        mut out: PyReadwriteArray1<'_, f64>,
+    ) -> PyResult<usize> {
+        let (b0, b1, b2, b3, b4, knee) = coefficients;
+        let params = kvdir::scoring::TtftParams {
+            #[allow(clippy::cast_precision_loss)] // token counts are far below 2^53
+            prompt_tokens: prompt_tokens as f64,
+            block_size: f64::from(block_size),
+            coef: [b0, b1, b2, b3, b4],
+            knee,
+            l2_seconds_per_block,
+            pool_seconds_per_block,
+        };
+        let (slot, queue) = (slot.as_slice()?, queue.as_slice()?);
+        let out = out.as_slice_mut()?;
+        if prompt_tokens == 0 || queue.is_empty() || queue.len() != out.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "ttft needs prompt_tokens >= 1 and queue and out of one non-zero length",
+            ));
+        }
+        Ok(kvdir::scoring::ttft_into(&self.inner, &params, slot, queue, out))
     }
 
     /// Nodes with l12 > 0, ascending.

@@ -17,6 +17,7 @@ mod holder_list;
 mod holders;
 mod invariants;
 mod matching;
+pub mod scoring;
 mod table;
 mod wide;
 
