@@ -365,7 +365,13 @@ impl PrefixMatch {
                 "ttft needs prompt_tokens >= 1 and queue and out of one non-zero length",
             ));
         }
-        Ok(kvdir::scoring::ttft_into(&self.inner, &params, slot, queue, out))
+        Ok(kvdir::scoring::ttft_into(
+            &self.inner,
+            &params,
+            slot,
+            queue,
+            out,
+        ))
     }
 
     /// Nodes with l12 > 0, ascending.

@@ -69,8 +69,8 @@ pub fn ttft_into(
             continue;
         };
         let (l1, l12) = (f64::from(l1), f64::from(l12));
-        let fetch = (l12 - l1) * p.l2_seconds_per_block
-            + (pool - l12).max(0.0) * p.pool_seconds_per_block;
+        let fetch =
+            (l12 - l1) * p.l2_seconds_per_block + (pool - l12).max(0.0) * p.pool_seconds_per_block;
         out[k] = queue[k].max(fetch) + p.prefill(l12.max(pool));
     }
     let mut best = 0;
@@ -112,11 +112,15 @@ mod tests {
         let best = ttft_into(&m, &p, &slot, &[0.0, 0.0, 0.0, 0.0], &mut out);
         assert_eq!(best, 1);
         // Node 1: 900 cached (L1), 100 uncached: no fetch, no hinge.
-        let want = 0.01 + 1e-4 * 100.0 + 1e-9 * (100.0 * 900.0 + 100.0 * 101.0 / 2.0) + 1e-6 * 900.0;
+        let want =
+            0.01 + 1e-4 * 100.0 + 1e-9 * (100.0 * 900.0 + 100.0 * 101.0 / 2.0) + 1e-6 * 900.0;
         assert!((out[1] - want).abs() < 1e-12);
         // Node 3: 500 cached from its L2 (5 blocks to fetch), 500 uncached: past the knee.
         let want3 = 0.05
-            + (0.01 + 1e-4 * 500.0 + 2e-4 * 300.0 + 1e-9 * (500.0 * 500.0 + 500.0 * 501.0 / 2.0)
+            + (0.01
+                + 1e-4 * 500.0
+                + 2e-4 * 300.0
+                + 1e-9 * (500.0 * 500.0 + 500.0 * 501.0 / 2.0)
                 + 1e-6 * 500.0);
         assert!((out[3] - want3).abs() < 1e-12);
         // A queue longer than the saving moves the choice.
