@@ -13,6 +13,7 @@ from evolving_infra.timing.samples import (
     SampleFileError,
     Timing,
     TimingError,
+    from_forward_pass_metrics,
     read_csv,
     write_csv,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "SampleFileError",
     "Timing",
     "TimingError",
+    "from_forward_pass_metrics",
     "read_csv",
     "write_csv",
 ]

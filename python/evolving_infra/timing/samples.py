@@ -12,10 +12,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 PrefillBatch = Sequence[tuple[int, int]]  # (uncached_tokens, cached_tokens) per request
 
@@ -114,3 +114,60 @@ def _row(path: Path, line: int, row: list[str]) -> Sample:
     if phase == "prefill":
         return Sample("prefill", seconds, batch=batch)
     return Sample("decode", seconds, batch_size=batch_size, context_tokens=context)
+
+
+def from_forward_pass_metrics(message: Mapping[str, Any]) -> Sample | None:
+    """A sample from one SGLang 0.5.23 forward-pass-metrics message (a decoded msgpack map).
+
+    Fields used (`observability/forward_pass_metrics.py`): `wall_time` (GPU seconds of the
+    forward, CUDA events) and `scheduled_requests` with `num_prefill_requests`,
+    `sum_prefill_tokens` (tokens computed), `var_prefill_length` (their variance across
+    requests), `sum_prefill_kv_tokens` (cached prefix tokens read), `num_decode_requests`,
+    `sum_decode_kv_tokens`. Returns None for the idle heartbeat (all zeros) and for mixed
+    prefill + decode forwards, which fit neither phase's form.
+
+    The message carries sums, not requests, so a prefill batch is rebuilt as requests with the
+    same count, sum and variance of new tokens, each over the mean cached prefix: exact for one
+    request, and for a batch exact in Σt_uc, Σt_uc² and Σt_c (ΣA then assumes new and cached
+    lengths uncorrelated within the batch).
+    """
+    try:
+        version = message.get("version", 1)
+        wall = float(message["wall_time"])
+        sched = message["scheduled_requests"]
+        n_prefill = int(sched["num_prefill_requests"])
+        n_decode = int(sched["num_decode_requests"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadSampleError(f"not a forward-pass-metrics message: {e!r}") from None
+    if version != 1:
+        raise BadSampleError(f"forward-pass-metrics version {version!r}, expected 1")
+    if n_prefill == 0 and n_decode == 0:
+        return None  # heartbeat
+    if n_prefill and n_decode:
+        return None  # mixed forward
+    if not math.isfinite(wall) or wall <= 0:
+        raise BadSampleError(f"wall_time must be > 0, got {wall}")
+    try:
+        if n_decode:
+            context = int(sched["sum_decode_kv_tokens"])
+            return Sample("decode", wall, batch_size=n_decode, context_tokens=context)
+        total = int(sched["sum_prefill_tokens"])
+        var = max(0.0, float(sched.get("var_prefill_length") or 0.0))
+        cached = int(sched.get("sum_prefill_kv_tokens") or 0)
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadSampleError(f"forward-pass-metrics field: {e!r}") from None
+    if total < 0 or cached < 0:
+        raise BadSampleError("forward-pass-metrics token sums must be >= 0")
+    return Sample("prefill", wall, batch=_rebuild_batch(n_prefill, total, var, cached))
+
+
+def _rebuild_batch(n: int, total: int, var: float, cached: int) -> tuple[tuple[int, int], ...]:
+    """n (uncached, cached) requests with the given sum and variance of uncached tokens."""
+    mean, sd = total / n, math.sqrt(var)
+    # Deviations of ±1 (and one 0 when n is odd), scaled to unit variance: Σz = 0, Σz²/n = 1.
+    z = [1.0 if k % 2 == 0 else -1.0 for k in range(n - n % 2)] + [0.0] * (n % 2)
+    scale = math.sqrt(n / (n - n % 2)) if n > 1 else 0.0
+    uncached = [max(0, round(mean + sd * scale * zk)) for zk in z]
+    uncached[0] += total - sum(uncached)  # rounding: keep the sum exact
+    share, extra = divmod(cached, n)
+    return tuple((u, share + (1 if k < extra else 0)) for k, u in enumerate(uncached))
