@@ -1,0 +1,58 @@
+"""What a phase-split planner sees and decides (pure decisions over state handed in; DESIGN §3).
+
+Every `interval` seconds the driver hands the planner the slices of the recent past (what
+arrived and how the nodes fared) and the current split; the planner answers with the split it
+wants, or None to keep it. The driver carries the switch out (drain, then flip in place, or a
+restart, as the policy's switch mode says).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from evolving_infra.timing.model import IterationModel
+
+SwitchMode = Literal["in-place-keep", "in-place-drop", "restart"]
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P{self.decode}D"
+
+
+@dataclass(frozen=True, slots=True)
+class SliceStats:
+    """One slice of time: demand that arrived and what the cluster looked like."""
+
+    start: float
+    end: float
+    requests: int  # requests that arrived
+    prompt_tokens: int  # their prompt tokens
+    uncached_tokens: int  # prompt tokens not served from cache (prefill work)
+    cached_tokens: int
+    output_tokens: int  # tokens decoded in the slice (decode work)
+    mean_decode_batch: float  # average running decode batch per decode node
+    mean_context_tokens: float  # average context per decoding request
+    prefill_queue_s: float  # mean predicted prefill queue drain time over prefill nodes
+    kv_utilization: float  # mean L1 use of decode nodes, 0..1
+    mean_input_tokens: float  # average prompt length (Dynamo's coarse signal)
+
+
+class Planner(Protocol):
+    name: str
+    interval: float  # seconds between decisions
+    switch_mode: SwitchMode
+
+    def decide(
+        self,
+        now: float,
+        split: Split,
+        window: Sequence[SliceStats],
+        model: IterationModel,
+    ) -> Split | None: ...
