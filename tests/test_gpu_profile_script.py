@@ -1,5 +1,6 @@
-"""`benches/gpu/iteration_profile.py`: its plan (the dry run needs no torch), its CSV, and a CPU
-smoke run of the real code path where torch is installed."""
+"""`benches/gpu/iteration_profile.py` and its package `benches/gpu/iteration_profiler`: the plan
+(the dry run needs no torch), the CSV, and a CPU smoke run of the real code path where torch is
+installed."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import math
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import astuple
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,17 +24,23 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 @pytest.fixture(scope="module")
-def ip() -> Iterator[ModuleType]:
-    """The script as a module (importing it imports no torch)."""
-    name = "iteration_profile_under_test"
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[name]
+def ip() -> Iterator[SimpleNamespace]:
+    """The script's package, imported from beside it (importing it imports no torch): `ip.plan`
+    and `ip.runner` are its modules."""
+    folder = str(SCRIPT.parent)
+    sys.path.insert(0, folder)
+    try:
+        yield SimpleNamespace(
+            plan=importlib.import_module("iteration_profiler.plan"),
+            runner=importlib.import_module("iteration_profiler.runner"),
+        )
+    finally:
+        sys.path.remove(folder)
+        for name in list(sys.modules):
+            if name.partition(".")[0] == "iteration_profiler" or name.startswith(
+                "_iteration_profile_"
+            ):
+                del sys.modules[name]
 
 
 def run_script(
@@ -87,8 +95,8 @@ def test_quick_plans_less_than_default() -> None:
 
 
 def test_dry_run_without_the_package() -> None:
-    """On a GPU machine the package may not import (no built native module): the script loads
-    samples.py and specs.py from the tree and plans the same."""
+    """The script loads specs.py and samples.py from the tree by path: it plans the same where
+    the package does not import (on a GPU machine, without its built native module)."""
     plain = run_script("--dry-run", "--seed", "5")
     bare = run_script("--dry-run", "--seed", "5", block=("torch", "evolving_infra"))
     assert bare.returncode == 0, bare.stderr
@@ -112,10 +120,10 @@ def test_plan_out_writes_the_compositions(tmp_path: Path) -> None:
     assert len(plan["compositions"]) == plan["total"] == plan_line(r.stdout)["total"]
 
 
-def test_plan_is_seeded(ip: ModuleType) -> None:
-    a = ip.make_plan(ip.Options(seed=3))
-    b = ip.make_plan(ip.Options(seed=3))
-    c = ip.make_plan(ip.Options(seed=4))
+def test_plan_is_seeded(ip: SimpleNamespace) -> None:
+    a = ip.plan.make_plan(ip.plan.Options(seed=3))
+    b = ip.plan.make_plan(ip.plan.Options(seed=3))
+    c = ip.plan.make_plan(ip.plan.Options(seed=4))
     assert a.compositions == b.compositions
     assert a.compositions != c.compositions
     batches = [x.batch for x in a.compositions if x.group == "prefill-batch"]
@@ -127,8 +135,8 @@ def is_pow2(n: int) -> bool:
 
 
 @pytest.mark.parametrize("quick", [False, True])
-def test_plan_respects_the_grids(ip: ModuleType, quick: bool) -> None:
-    plan = ip.make_plan(ip.Options(quick=quick))
+def test_plan_respects_the_grids(ip: SimpleNamespace, quick: bool) -> None:
+    plan = ip.plan.make_plan(ip.plan.Options(quick=quick))
     comps: list[Any] = plan.compositions
     singles = [c for c in comps if c.group == "prefill-single"]
     batches = [c for c in comps if c.group == "prefill-batch"]
@@ -164,45 +172,45 @@ def test_plan_respects_the_grids(ip: ModuleType, quick: bool) -> None:
     assert all(c.warmup >= 1 and c.repeats >= 1 for c in comps)
 
 
-def test_the_budget_bounds_the_plan(ip: ModuleType) -> None:
-    full = ip.make_plan(ip.Options())
-    small = ip.make_plan(ip.Options(budget_s=60))
+def test_the_budget_bounds_the_plan(ip: SimpleNamespace) -> None:
+    full = ip.plan.make_plan(ip.plan.Options())
+    small = ip.plan.make_plan(ip.plan.Options(budget_s=60))
     assert small.estimate_s <= 60 < full.estimate_s
     assert len(small.compositions) < len(full.compositions)
-    assert all(small.count(g) > 0 for g in ip.PHASES)
+    assert all(small.count(g) > 0 for g in ip.plan.PHASES)
     assert sum(small.over_budget.values()) > 0
     # The run order mixes the groups from the start.
-    assert {c.group for c in small.compositions[:6]} == set(ip.PHASES)
+    assert {c.group for c in small.compositions[:6]} == set(ip.plan.PHASES)
 
 
-def test_memory_bounds_the_plan(ip: ModuleType) -> None:
-    big = ip.make_plan(ip.Options())
-    small = ip.make_plan(ip.Options(memory_gb=40))
+def test_memory_bounds_the_plan(ip: SimpleNamespace) -> None:
+    big = ip.plan.make_plan(ip.plan.Options())
+    small = ip.plan.make_plan(ip.plan.Options(memory_gb=40))
     assert small.kv_capacity_tokens < big.kv_capacity_tokens
     assert all(c.kv_tokens <= small.kv_capacity_tokens for c in small.compositions)
     assert small.over_memory["decode"] > big.over_memory["decode"]
-    with pytest.raises(ip.PlanError, match="--layers"):
-        ip.make_plan(ip.Options(model="llama-3-70b"))
-    with pytest.raises(ip.PlanError, match="--layers must be"):
-        ip.make_plan(ip.Options(layers=0))
+    with pytest.raises(ip.plan.PlanError, match="--layers"):
+        ip.plan.make_plan(ip.plan.Options(model="llama-3-70b"))
+    with pytest.raises(ip.plan.PlanError, match="--layers must be"):
+        ip.plan.make_plan(ip.plan.Options(layers=0))
 
 
-def test_split_contexts_adds_up(ip: ModuleType) -> None:
+def test_split_contexts_adds_up(ip: SimpleNamespace) -> None:
     import random
 
     rng = random.Random(1)
     for n, total in [(1, 256), (2, 512), (7, 7), (256, 256 * 2048), (13, 100_003)]:
-        parts = ip.split_contexts(total, n, rng)
+        parts = ip.plan.split_contexts(total, n, rng)
         assert len(parts) == n
         assert sum(parts) == total
         assert min(parts) >= 1
         assert list(parts) == sorted(parts)
 
 
-def test_decode_groups_cover_every_request(ip: ModuleType) -> None:
+def test_decode_groups_cover_every_request(ip: SimpleNamespace) -> None:
     contexts = (3, 4, 30, 31, 77, 77, 200)
     for groups in (1, 2, 4, 10):
-        layout = ip.decode_groups(contexts, groups)
+        layout = ip.plan.decode_groups(contexts, groups)
         assert len(layout) == min(groups, len(contexts))
         at = first = 0
         for g in layout:
@@ -217,41 +225,33 @@ def test_decode_groups_cover_every_request(ip: ModuleType) -> None:
         assert first == len(contexts)
 
 
-def test_fallback_figures_mirror_specs(ip: ModuleType) -> None:
+def test_figures_are_those_of_specs(ip: SimpleNamespace) -> None:
+    models, gpus = ip.plan.models(), ip.plan.gpus()
+    assert list(models) == [*specs.MODELS, "tiny"]
     for name, m in specs.MODELS.items():
-        a = ip._FALLBACK_MODELS[name]
-        assert (a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.vocab) == (
-            m.layers,
-            m.hidden,
-            m.heads,
-            m.kv_heads,
-            m.head_dim,
-            m.intermediate,
-            m.vocab,
-        )
-        assert a.kv_bytes_per_token(a.layers) == m.kv_bytes_per_token
-    for name, g in specs.GPUS.items():
-        f = ip._FALLBACK_GPUS[name]
-        assert (f.flops, f.bandwidth, f.memory) == (g.flops, g.hbm_bandwidth, g.memory)
-    assert ip.models()["llama-3-8b"] == ip._FALLBACK_MODELS["llama-3-8b"]
+        assert astuple(models[name]) == astuple(m)
+    assert {name: astuple(g) for name, g in gpus.items()} == {
+        name: astuple(g) for name, g in specs.GPUS.items()
+    }
 
 
-def test_both_csv_writers_match_samples(ip: ModuleType, tmp_path: Path) -> None:
-    prefill = ip.Composition("prefill", "prefill-batch", 2, batch=((100, 0), (16, 4096)))
-    decode = ip.Composition("decode", "decode", 0, contexts=(255, 257, 300))
+def test_csv_is_the_samples_format(ip: SimpleNamespace, tmp_path: Path) -> None:
+    plan, runner = ip.plan, ip.runner
+    prefill = plan.Composition("prefill", "prefill-batch", 2, batch=((100, 0), (16, 4096)))
+    decode = plan.Composition("decode", "decode", 0, contexts=(255, 257, 300))
     rows = [
-        ip.Measured(prefill, 0.0123, (0.0123,), 1, False, 4212),
-        ip.Measured(decode, 0.0045, (0.0044, 0.0045, 0.0046), 1, True, 815),
+        runner.Measured(prefill, 0.0123, (0.0123,), 1, False, 4212),
+        runner.Measured(decode, 0.0045, (0.0044, 0.0045, 0.0046), 1, True, 815),
     ]
-    via_samples, fallback = tmp_path / "a.csv", tmp_path / "b.csv"
-    ip.write_samples(rows, via_samples)
-    ip.write_csv_fallback(rows, fallback)
-    assert via_samples.read_bytes() == fallback.read_bytes()
-    assert samples.read_csv(fallback) == [
+    out = tmp_path / "a.csv"
+    runner.write_samples(rows, out)
+    assert out.read_text().splitlines()[0] == ",".join(samples.CSV_COLUMNS)
+    assert samples.read_csv(out) == [
         samples.Sample("prefill", 0.0123, batch=((100, 0), (16, 4096))),
         samples.Sample("decode", 0.0045, batch_size=3, context_tokens=812),
     ]
-    assert ip.sidecar_path(via_samples) == tmp_path / "a.json"
+    assert runner.sidecar_path(out) == tmp_path / "a.json"
+    assert not (tmp_path / "a.csv.tmp").exists()
 
 
 def test_a_run_needs_an_out_file() -> None:

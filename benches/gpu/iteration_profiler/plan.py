@@ -135,7 +135,7 @@ class Options:
 
 
 # ---------------------------------------------------------------------------------------------
-# Compositions and the plan (pure Python: the dry run imports no torch)
+# Compositions and the plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,4 +571,3 @@ def describe_plan(plan: Plan, first: int = 8) -> str:
         f"budget_s={o.budget:.1f}"
     )
     return "\n".join(lines)
-
