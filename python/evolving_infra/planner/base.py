@@ -3,7 +3,9 @@
 Every `interval` seconds the driver hands the planner the slices of the recent past (what
 arrived and how the nodes fared) and the current split; the planner answers with the split it
 wants, or None to keep it. The driver carries the switch out (drain, then flip in place, or a
-restart, as the policy's switch mode says).
+restart, as the policy's switch mode says) and calls `switch_done()` when it has finished (or
+was abandoned): a planner asks for no new split while its last one is in flight, as Dynamo's
+planner does ("no new action until the previous completes", notes/dynamo-kv-router.md §6).
 """
 
 from __future__ import annotations
@@ -56,3 +58,7 @@ class Planner(Protocol):
         window: Sequence[SliceStats],
         model: IterationModel,
     ) -> Split | None: ...
+
+    def switch_done(self) -> None:
+        """The switch the last decision asked for has finished (or was abandoned)."""
+        ...

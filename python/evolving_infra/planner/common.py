@@ -1,0 +1,185 @@
+"""What the planners share: slice arithmetic, per-node service rates, the in-flight gate.
+
+Service rates come from the fitted `IterationModel` (what the policies believe an iteration
+costs; DESIGN §3, "Phase split"), never from the simulator's ground truth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from evolving_infra.planner.base import SliceStats, Split
+from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.specs import Deployment
+
+# SGLang's default `chunked_prefill_size`: the token budget of one prefill iteration.
+CHUNK_TOKENS = 8192
+# Assumptions for a decode node's batch when nothing better is known: SGLang reserves ~10% of
+# HBM beyond weights and KV (`mem_fraction_static` ~0.9), a few GiB per GPU go to activations
+# and CUDA graphs, and the running batch is capped (`max_running_requests`).
+MEM_FRACTION = 0.9
+ACTIVATION_RESERVE_PER_GPU = 4 * 2**30
+MAX_DECODE_BATCH = 256
+
+
+class PlannerGate:
+    """The in-flight gate: after asking for a split, a planner waits for `switch_done()`.
+
+    Without it a planner re-asks for the same target every tick while the driver drains
+    nodes (the split it is handed is still the old one), and a ±1 planner would step twice.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight = False
+
+    def switch_done(self) -> None:
+        self.in_flight = False
+
+    def _propose(self, split: Split, target: Split | None) -> Split | None:
+        if target is None or target == split:
+            return None
+        self.in_flight = True
+        return target
+
+
+@dataclass(frozen=True, slots=True)
+class MeanRequest:
+    """A slice's average request: what the planners size service rates by."""
+
+    uncached: float  # prompt tokens computed per request
+    cached: float  # prompt tokens served from cache per request
+    output: float  # decoded tokens per request (>= 1)
+    context: float  # mean context of a decoding request, tokens
+
+    @classmethod
+    def of(cls, s: SliceStats) -> MeanRequest | None:
+        """None for a slice without arrivals: it says nothing about the mix."""
+        if s.requests <= 0:
+            return None
+        r = s.requests
+        uncached, cached = s.uncached_tokens / r, s.cached_tokens / r
+        # NOTE: output tokens are those decoded in the slice, not those of its arrivals; in a
+        # slice long against a request's life the two ratios agree.
+        output = max(s.output_tokens / r, 1.0)
+        context = s.mean_context_tokens
+        if context <= 0:
+            context = uncached + cached + output / 2  # midway through an average decode
+        return cls(max(uncached, 1.0), cached, output, context)
+
+
+def merge(slices: Sequence[SliceStats]) -> SliceStats:
+    """One slice covering `slices`: counts add, averages weigh by duration (context by
+    duration x batch, as it is a mean over decoding requests)."""
+    if not slices:
+        raise ValueError("merge needs at least one slice")
+    dur = [max(s.end - s.start, 1e-9) for s in slices]
+
+    def avg(values: Sequence[float], weights: Sequence[float]) -> float:
+        w = sum(weights)
+        return sum(v * x for v, x in zip(values, weights, strict=True)) / w if w > 0 else 0.0
+
+    batch_w = [d * s.mean_decode_batch for d, s in zip(dur, slices, strict=True)]
+    requests = sum(s.requests for s in slices)
+    prompt = sum(s.prompt_tokens for s in slices)
+    return SliceStats(
+        start=min(s.start for s in slices),
+        end=max(s.end for s in slices),
+        requests=requests,
+        prompt_tokens=prompt,
+        uncached_tokens=sum(s.uncached_tokens for s in slices),
+        cached_tokens=sum(s.cached_tokens for s in slices),
+        output_tokens=sum(s.output_tokens for s in slices),
+        mean_decode_batch=avg([s.mean_decode_batch for s in slices], dur),
+        mean_context_tokens=avg(
+            [s.mean_context_tokens for s in slices], batch_w if sum(batch_w) > 0 else dur
+        ),
+        prefill_queue_s=avg([s.prefill_queue_s for s in slices], dur),
+        kv_utilization=avg([s.kv_utilization for s in slices], dur),
+        mean_input_tokens=(
+            prompt / requests if requests else avg([s.mean_input_tokens for s in slices], dur)
+        ),
+    )
+
+
+def rebin(window: Sequence[SliceStats], now: float, span: float, bins: int) -> list[SliceStats]:
+    """`window` regrouped into `bins` equal slices covering (now - span, now], by each slice's
+    midpoint; bins nothing fell into are left out. The driver may hand slices of any length;
+    the planner's statistics are over its own slices."""
+    width = span / bins
+    groups: list[list[SliceStats]] = [[] for _ in range(bins)]
+    for s in window:
+        k = math.floor(((s.start + s.end) / 2 - (now - span)) / width)
+        if 0 <= k < bins:
+            groups[k].append(s)
+        elif k == bins:  # a midpoint exactly at `now`
+            groups[-1].append(s)
+    return [merge(g) for g in groups if g]
+
+
+def recent(window: Sequence[SliceStats], now: float, span: float) -> SliceStats | None:
+    """The slices ending within `span` of `now` merged (else the latest slice; None if none)."""
+    if not window:
+        return None
+    fresh = [s for s in window if s.end > now - span]
+    return merge(fresh) if fresh else max(window, key=lambda s: s.end)
+
+
+def prefill_seconds(model: IterationModel, uncached: float, cached: float, chunk: int) -> float:
+    """One request's prefill alone on a node: its uncached tokens in chunks of `chunk`, each
+    chunk's cached part the prefix plus the chunks before it (SGLang chunked prefill)."""
+    u, c, t = max(uncached, 1.0), max(cached, 0.0), 0.0
+    while u > 0:
+        step = min(u, float(chunk))
+        t += model.predict_prefill_one(step, c)
+        u, c = u - step, c + step
+    return t
+
+
+def prefill_rate(model: IterationModel, uncached: float, cached: float, chunk: int) -> float:
+    """Requests/s one prefill node serves of this request: iterations batch as many whole
+    requests as fit the chunk budget; a longer request takes several chunked iterations."""
+    u, c = max(round(uncached), 1), max(round(cached), 0)
+    if u > chunk:
+        return 1.0 / prefill_seconds(model, u, c, chunk)
+    k = chunk // u
+    return k / model.predict_prefill([(u, c)] * k)
+
+
+def kv_capacity_tokens(deployment: Deployment) -> int:
+    """KV tokens one node holds (docs/simulator.md, "Nodes and KV"): tp x HBM x 0.9 minus the
+    weights and an activation reserve, over the KV bytes per token."""
+    m, tp = deployment.model, deployment.tp
+    free = tp * (deployment.gpu.memory * MEM_FRACTION - ACTIVATION_RESERVE_PER_GPU)
+    return max(int((free - m.weight_bytes) // m.kv_bytes_per_token), 1)
+
+
+def decode_rate(model: IterationModel, mean: MeanRequest, kv_tokens: int, max_batch: int) -> float:
+    """Requests/s one decode node serves: the batch that fits its KV at the mean context (capped
+    at `max_batch`), at the model's step time, divided by the output tokens per request."""
+    batch = max(min(max_batch, int(kv_tokens // max(mean.context, 1.0))), 1)
+    step = model.predict_decode(batch, round(batch * mean.context))
+    return batch / step / mean.output
+
+
+def pressure_step(
+    split: Split, p_up: bool, d_up: bool, p_down: bool, d_down: bool, min_nodes: int
+) -> Split | None:
+    """±1 node between the phases under a fixed total: a phase that needs more takes a node
+    from the other unless the other needs more too; otherwise a phase with too much gives one
+    to the other unless the other has too much too. Each phase keeps `min_nodes`."""
+    if p_up != d_up:  # exactly one phase is short of nodes: it takes one
+        more_prefill = p_up
+    elif p_down != d_down:  # exactly one phase has nodes to spare: it gives one
+        more_prefill = d_down
+    else:
+        return None
+    p, d = (
+        (split.prefill + 1, split.decode - 1)
+        if more_prefill
+        else (split.prefill - 1, split.decode + 1)
+    )
+    if p < min_nodes or d < min_nodes:
+        return None
+    return Split(p, d)

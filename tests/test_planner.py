@@ -1,0 +1,303 @@
+"""Phase-split planners on hand-built slices, with the prior-only default-deployment model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from evolving_infra.planner import (
+    PLANNERS,
+    ArrowPlanner,
+    DynamoPlanner,
+    EvolvingPlanner,
+    Planner,
+    SliceStats,
+    Split,
+    StaticPlanner,
+    make_planner,
+)
+from evolving_infra.planner.common import (
+    MeanRequest,
+    decode_rate,
+    kv_capacity_tokens,
+    merge,
+    prefill_rate,
+)
+from evolving_infra.timing import DEFAULT_DEPLOYMENT
+from evolving_infra.timing.model import IterationModel
+
+NOW = 600.0
+MODEL = IterationModel(prior=DEFAULT_DEPLOYMENT)
+
+
+def sl(
+    k: int,
+    uncached: int,
+    cached: int,
+    output: float,
+    *,
+    n: int = 100,
+    width: float = 60.0,
+    batch: float = 16.0,
+    context: float | None = None,
+    queue_s: float = 0.0,
+    kv: float = 0.5,
+) -> SliceStats:
+    """Slice k of `width` seconds in which `n` requests of this mean shape arrived."""
+    ctx = uncached + cached + output / 2 if context is None else context
+    return SliceStats(
+        start=k * width,
+        end=(k + 1) * width,
+        requests=n,
+        prompt_tokens=n * (uncached + cached),
+        uncached_tokens=n * uncached,
+        cached_tokens=n * cached,
+        output_tokens=round(n * output),
+        mean_decode_batch=batch,
+        mean_context_tokens=ctx,
+        prefill_queue_s=queue_s,
+        kv_utilization=kv,
+        mean_input_tokens=uncached + cached,
+    )
+
+
+def jitter(rng: random.Random, x: float, by: float = 0.1) -> int:
+    return round(x * rng.uniform(1 - by, 1 + by))
+
+
+def window(shape: tuple[int, int, int], seed: int = 0) -> list[SliceStats]:
+    rng = random.Random(seed)
+    u, c, o = shape
+    return [sl(k, jitter(rng, u), jitter(rng, c), max(jitter(rng, o), 1)) for k in range(10)]
+
+
+PREFILL_HEAVY = (16_000, 0, 30)  # long fresh prompts, a few output tokens
+DECODE_HEAVY = (400, 0, 2_000)  # short prompts, long answers
+AGENTIC = (2_000, 28_000, 300)  # long cached prefix, short turn
+
+
+# -- evolving -----------------------------------------------------------------------------------
+
+
+def test_evolving_moves_toward_prefill_when_slices_are_prefill_heavy() -> None:
+    p = EvolvingPlanner(8)
+    target = p.decide(NOW, Split(4, 4), window(PREFILL_HEAVY), MODEL)
+    assert target is not None
+    assert target.prefill > 4
+    assert p.last is not None
+    assert p.last.target == target
+    assert p.last.p_value < 0.05
+    assert p.last.mean_gain >= 0.02
+
+
+def test_evolving_moves_toward_decode_when_slices_are_decode_heavy() -> None:
+    p = EvolvingPlanner(8)
+    target = p.decide(NOW, Split(4, 4), window(DECODE_HEAVY), MODEL)
+    assert target is not None
+    assert target.decode > 4
+
+
+def test_evolving_target_balances_the_rates() -> None:
+    """The chosen split is the argmax of mean min(x mu_P, (N - x) mu_D), computed here by hand."""
+    w = window(AGENTIC, seed=1)
+    kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
+    means = [m for m in map(MeanRequest.of, w) if m is not None]
+    mu = [
+        (prefill_rate(MODEL, m.uncached, m.cached, 8192), decode_rate(MODEL, m, kv, 256))
+        for m in means
+    ]
+
+    def theta(x: int) -> float:
+        return sum(min(x * p, (8 - x) * d) for p, d in mu) / len(mu)
+
+    best = max(range(1, 8), key=theta)
+    ev = EvolvingPlanner(8).evaluate(NOW, Split(4, 4), w, MODEL)
+    assert ev is not None
+    assert ev.target == Split(best, 8 - best)
+    assert ev.mean_theta == pytest.approx(theta(best))
+
+
+def crossover_output(u: int, c: int) -> float:
+    """Output tokens per request at which 3 decode nodes serve exactly what 4 prefill nodes do:
+    there, 4P4D and 5P3D have the same throughput."""
+    kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
+    mu_p = prefill_rate(MODEL, u, c, 8192)
+    lo, hi = 1.0, 1e5
+    for _ in range(100):
+        o = (lo + hi) / 2
+        mu_d = decode_rate(MODEL, MeanRequest(u, c, o, u + c + o / 2), kv, 256)
+        lo, hi = (o, hi) if 3 * mu_d > 4 * mu_p else (lo, o)
+    return (lo + hi) / 2
+
+
+def test_evolving_does_not_flip_on_one_bursty_slice() -> None:
+    """Nine calm slices on which 4P4D and 5P3D tie (gains ±2%) and one burst of long fresh
+    prompts on which 5P3D gains 25%: the best mean is 5P3D and the mean gain clears min_gain,
+    but one slice is no evidence. The t-test alone holds the split."""
+    u, c = 2_000, 8_000
+    o = crossover_output(u, c)
+    # 1000 requests a slice: the output per request is exact to 1e-3 tokens.
+    calm = [sl(k, u, c, o * (1 + 0.02 * (-1) ** k), n=1000) for k in range(9)]
+    burst = sl(9, 16_000, 0, 30, n=5000)
+    p = EvolvingPlanner(8)
+    assert p.decide(NOW, Split(4, 4), [*calm, burst], MODEL) is None
+    ev = p.last
+    assert ev is not None
+    assert ev.target == Split(5, 3)
+    assert ev.mean_gain >= p.min_gain  # the gain is large enough on average...
+    assert ev.p_value > 0.05  # ...but not significant across slices
+    # The same burst sustained over the window is significant: the planner then moves.
+    sustained = [sl(k, 16_000, 0, 30, n=5000) for k in range(10)]
+    assert EvolvingPlanner(8).decide(NOW, Split(4, 4), sustained, MODEL) is not None
+
+
+def test_evolving_does_not_switch_below_min_gain() -> None:
+    w = window(PREFILL_HEAVY)
+    ev = EvolvingPlanner(8).evaluate(NOW, Split(4, 4), w, MODEL)
+    assert ev is not None
+    assert ev.p_value < 0.05
+    above = EvolvingPlanner(8, min_gain=ev.mean_gain * 1.01)
+    assert above.decide(NOW, Split(4, 4), w, MODEL) is None
+    below = EvolvingPlanner(8, min_gain=ev.mean_gain * 0.99)
+    assert below.decide(NOW, Split(4, 4), w, MODEL) == ev.target
+
+
+def test_evolving_steps_waits_and_needs_slices() -> None:
+    w = window(PREFILL_HEAVY)
+    p = EvolvingPlanner(8, max_step=1)
+    assert p.decide(NOW, Split(4, 4), w, MODEL) == Split(5, 3)
+    assert p.decide(NOW + 60, Split(4, 4), w, MODEL) is None  # the switch is in flight
+    p.switch_done()
+    assert p.decide(NOW + 60, Split(5, 3), w, MODEL) == Split(6, 2)
+    # Slices without arrivals say nothing; two with arrivals are too few for a test.
+    idle = [sl(k, 1, 0, 1, n=0) for k in range(8)] + window(PREFILL_HEAVY)[8:]
+    assert EvolvingPlanner(8).decide(NOW, Split(4, 4), idle, MODEL) is None
+    with pytest.raises(ValueError, match="split"):
+        EvolvingPlanner(8).decide(NOW, Split(4, 5), w, MODEL)
+
+
+def test_evolving_rebins_finer_slices() -> None:
+    """Sixty 10-s slices decide like ten 60-s slices of the same traffic."""
+    coarse = window(PREFILL_HEAVY)
+    fine = [
+        dataclasses.replace(s, start=s.start + 10 * i, end=s.start + 10 * (i + 1))
+        for s in coarse
+        for i in range(6)
+    ]
+    a = EvolvingPlanner(8).evaluate(NOW, Split(4, 4), coarse, MODEL)
+    b = EvolvingPlanner(8).evaluate(NOW, Split(4, 4), fine, MODEL)
+    assert a is not None
+    assert b is not None
+    assert a.target == b.target
+    assert b.mean_theta == pytest.approx(a.mean_theta)
+    assert merge(fine[:6]).requests == 6 * coarse[0].requests
+
+
+# -- dynamo -------------------------------------------------------------------------------------
+
+
+def test_dynamo_scales_prefill_one_node_at_a_time() -> None:
+    p = DynamoPlanner()
+    assert p.interval == 5.0
+    assert p.switch_mode == "restart"
+    busy = [sl(0, 2_000, 0, 100, width=5.0, queue_s=2.0, batch=8, context=2_000)]
+    assert p.decide(5.0, Split(4, 4), busy, MODEL) == Split(5, 3)
+    assert p.decide(10.0, Split(4, 4), busy, MODEL) is None  # in flight: no new action
+    p.switch_done()
+    assert p.decide(15.0, Split(5, 3), busy, MODEL) == Split(6, 2)
+
+
+def test_dynamo_respects_the_slas() -> None:
+    s = sl(0, 2_000, 0, 100, width=5.0, queue_s=0.3, batch=8, context=2_000)
+    ttft, itl = DynamoPlanner().estimates(s, MODEL)
+    assert ttft == pytest.approx(0.3 + MODEL.predict_prefill_one(2_000, 0))
+    assert itl == pytest.approx(MODEL.predict_decode(8, 16_000))
+    # TTFT just over its SLA and ITL comfortably under its own: one node to prefill.
+    over = DynamoPlanner(ttft_sla=ttft * 0.95, itl_sla=itl * 2)
+    assert over.decide(5.0, Split(4, 4), [s], MODEL) == Split(5, 3)
+    # Both within SLA but neither below SLA x 0.8: keep.
+    band = DynamoPlanner(ttft_sla=ttft * 1.1, itl_sla=itl * 1.1)
+    assert band.decide(5.0, Split(4, 4), [s], MODEL) is None
+    # Prefill comfortably under, decode in the band: prefill gives its node to decode.
+    spare = DynamoPlanner(ttft_sla=ttft * 2, itl_sla=itl * 1.1)
+    assert spare.decide(5.0, Split(4, 4), [s], MODEL) == Split(3, 5)
+    # ... unless prefill is down to its last node.
+    assert (
+        DynamoPlanner(ttft_sla=ttft * 2, itl_sla=itl * 1.1).decide(5.0, Split(1, 7), [s], MODEL)
+        is None
+    )
+    # With the 500 ms / 50 ms defaults: TTFT 0.44 s is in the band, ITL far under: decode
+    # gives a node; with the queue empty both are comfortably under: keep.
+    assert DynamoPlanner().decide(5.0, Split(4, 4), [s], MODEL) == Split(5, 3)
+    light = dataclasses.replace(s, prefill_queue_s=0.0)
+    assert DynamoPlanner().decide(5.0, Split(4, 4), [light], MODEL) is None
+
+
+def test_dynamo_scales_decode_when_itl_exceeds_the_sla() -> None:
+    s = sl(0, 200, 0, 500, width=5.0, batch=256, context=30_000)
+    _, itl = DynamoPlanner().estimates(s, MODEL)
+    assert itl > 0.05
+    assert DynamoPlanner().decide(5.0, Split(4, 4), [s], MODEL) == Split(3, 5)
+    # Both phases over their SLA: a fixed total has no node to give.
+    both = sl(0, 200, 0, 500, width=5.0, batch=256, context=30_000, queue_s=5.0)
+    assert DynamoPlanner().decide(5.0, Split(4, 4), [both], MODEL) is None
+
+
+def test_dynamo_utilization_mode_thresholds() -> None:
+    p = DynamoPlanner(mode="utilization")
+    assert p.interval == 30.0
+    full = sl(0, 2_000, 0, 100, width=30.0, kv=0.95, queue_s=0.0)
+    assert p.decide(30.0, Split(4, 4), [full], MODEL) == Split(3, 5)
+    p.switch_done()
+    # Queue utilisation: 4 nodes x 1 s / one request's prefill, far above 0.5 waiting requests.
+    queued = sl(0, 2_000, 0, 100, width=30.0, kv=0.7, queue_s=1.0)
+    assert p.queued_requests(queued, Split(4, 4), MODEL) > 0.5
+    assert p.decide(60.0, Split(4, 4), [queued], MODEL) == Split(5, 3)
+    p.switch_done()
+    # KV between 0.5 and 0.9, queue empty (< 0.2): prefill gives a node.
+    calm = sl(0, 2_000, 0, 100, width=30.0, kv=0.7, queue_s=0.0)
+    assert p.decide(90.0, Split(4, 4), [calm], MODEL) == Split(3, 5)
+
+
+# -- arrow and static ---------------------------------------------------------------------------
+
+
+def test_arrow_thresholds_and_cooldown() -> None:
+    p = ArrowPlanner()
+    assert p.switch_mode == "in-place-drop"
+    queued = [sl(0, 2_000, 0, 100, width=10.0, queue_s=2.0, kv=0.7)]
+    assert p.decide(10.0, Split(4, 4), queued, MODEL) == Split(5, 3)
+    p.switch_done()
+    assert p.decide(20.0, Split(5, 3), queued, MODEL) is None  # cooling down (30 s)
+    assert p.decide(41.0, Split(5, 3), queued, MODEL) == Split(6, 2)  # ±1 only
+    p.switch_done()
+    full = [sl(0, 2_000, 0, 100, width=10.0, queue_s=0.5, kv=0.95)]
+    assert p.decide(80.0, Split(6, 2), full, MODEL) == Split(5, 3)
+    p.switch_done()
+    both = [sl(0, 2_000, 0, 100, width=10.0, queue_s=2.0, kv=0.95)]
+    assert p.decide(120.0, Split(5, 3), both, MODEL) is None
+    steady = [sl(0, 2_000, 0, 100, width=10.0, queue_s=0.5, kv=0.7)]
+    assert p.decide(160.0, Split(5, 3), steady, MODEL) is None
+    assert p.decide(200.0, Split(5, 3), [], MODEL) is None
+
+
+def test_static_never_switches() -> None:
+    p = StaticPlanner(Split(3, 5))
+    assert p.name == "static:3P5D"
+    for shape in (PREFILL_HEAVY, DECODE_HEAVY):
+        assert p.decide(NOW, Split(3, 5), window(shape), MODEL) is None
+    p.switch_done()
+
+
+def test_registry() -> None:
+    planners: list[Planner] = [make_planner(name, 8) for name in PLANNERS]
+    assert [p.name for p in planners] == list(PLANNERS)
+    assert all(math.isfinite(p.interval) and p.interval > 0 for p in planners)
+    assert make_planner("static:2p6d", 8).name == "static:2P6D"
+    with pytest.raises(ValueError, match="does not split"):
+        make_planner("static:2P5D", 8)
+    with pytest.raises(ValueError, match="unknown planner"):
+        make_planner("greedy", 8)
