@@ -12,6 +12,7 @@ use hashbrown::HashMap;
 use crate::branches::Branch;
 use crate::events::{decode_batch, Event, EventBatch};
 use crate::eviction::{PlaceState, CANDIDATE_BYTES};
+use crate::holders::ChainPlace;
 use crate::table::{fold, Blocks, Holder, NIL};
 use crate::wide::WideLists;
 use crate::{check_time, BlockHash, BranchId, Error, NodeId, Place, Result, Tier};
@@ -73,6 +74,8 @@ pub struct Directory {
     /// so that a batch can be validated as a whole before it starts.
     deferred: Option<Vec<u32>>,
     events_skipped: u64,
+    /// Slab indices of a stored chain's known prefix, kept between calls to spare an allocation.
+    scratch: Vec<u32>,
 }
 
 impl Directory {
@@ -238,9 +241,80 @@ impl Directory {
         now: f64,
     ) -> Result<()> {
         let now = check_time(now)?;
+        let place = Place::new(node, tier);
+        let mut known = std::mem::take(&mut self.scratch);
+        known.clear();
+        // One pass validates and finds the known prefix; anything unusual (an error to report,
+        // whichever it is) takes the full validation, which names the right one.
+        if let Some(parent_idx) = self.scan_chain(parent, hashes, &mut known) {
+            self.store_scanned(place, parent_idx, &known, &hashes[known.len()..], now);
+            self.scratch = known;
+            return Ok(());
+        }
+        self.scratch = known;
         self.validate_chain(parent, hashes)?;
-        self.store_valid(Place::new(node, tier), hashes, parent, now, true);
+        self.store_valid(place, hashes, parent, now, true);
         Ok(())
+    }
+
+    /// The fast validation of `store`: `Some(parent's slab index)` when `hashes` is a known
+    /// prefix chained under `parent` (its indices pushed to `known`) followed by distinct unknown
+    /// hashes — exactly the chains `validate_chain` accepts, as long as it returns `Some`: a known
+    /// prefix whose parent links match is a downward path in the forest, so it repeats no hash
+    /// and not `parent`; the rest is unknown, so it repeats none of those either. `None` means
+    /// "ask `validate_chain`" (which may still accept a chain this pass did not).
+    fn scan_chain(
+        &self,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        known: &mut Vec<u32>,
+    ) -> Option<u32> {
+        let parent_idx = match parent {
+            Some(p) => self.blocks.find(p)?,
+            None => NIL,
+        };
+        let mut prev = parent_idx;
+        for &h in hashes {
+            let Some(idx) = self.blocks.find(h) else {
+                break;
+            };
+            if self.blocks.get(idx).parent != prev {
+                return None;
+            }
+            known.push(idx);
+            prev = idx;
+        }
+        let tail = &hashes[known.len()..];
+        if tail.iter().skip(1).any(|&h| self.blocks.find(h).is_some()) || has_repeat(tail) {
+            return None;
+        }
+        Some(parent_idx)
+    }
+
+    /// Stores a chain `scan_chain` accepted: `known` are the slab indices of its known prefix,
+    /// `tail` the new hashes after it.
+    fn store_scanned(
+        &mut self,
+        place: Place,
+        parent_idx: u32,
+        known: &[u32],
+        tail: &[BlockHash],
+        now: f64,
+    ) {
+        let last = (known.len() + tail.len()).saturating_sub(1);
+        let mut ctx = self.chain_place(place);
+        let mut prev = parent_idx;
+        for (i, &idx) in known.iter().enumerate() {
+            self.add_holder(idx, &mut ctx, now, i < last, i > 0);
+            prev = idx;
+        }
+        if let Some((&first, rest)) = tail.split_first() {
+            let i = known.len();
+            let idx = self.blocks.insert(first, prev);
+            self.add_holder(idx, &mut ctx, now, i < last, i > 0);
+            self.store_new_tail(place, idx, rest, now, &mut ctx);
+        }
+        self.finish_chain(&ctx);
     }
 
     /// Stores a validated chain. `tail_is_new`: validation ran without an overlay, so once a hash
@@ -274,21 +348,35 @@ impl Directory {
             }
         }
         if i < hashes.len() {
-            // The rest of a new tail: each block is new, childless, held only here, under the
-            // block just stored. Nothing to look up, scan or re-index but the last block.
-            for &h in &hashes[i..] {
-                let parent = self.blocks.get_mut(prev);
-                debug_assert_eq!(parent.holders.len(), 1);
-                let ph = &mut parent.holders[0];
-                ph.add_held_children(1);
-                let holder = Holder::new(place, 0, now, ph.root_tier(), ph.root_node());
-                prev = self.blocks.insert_held(h, prev, holder);
-            }
-            ctx.newly_held += (hashes.len() - i) as u64;
-            let key = self.key(prev, &self.blocks.get(prev).holders[0]);
-            self.places.entry(place).or_default().candidates.insert(key);
+            self.store_new_tail(place, prev, &hashes[i..], now, &mut ctx);
         }
         self.finish_chain(&ctx);
+    }
+
+    /// The rest of a new tail under `prev`, the new block just stored: each block is new,
+    /// childless and held only here. Nothing to look up, scan or re-index but the last block.
+    fn store_new_tail(
+        &mut self,
+        place: Place,
+        mut prev: u32,
+        tail: &[BlockHash],
+        now: f64,
+        ctx: &mut ChainPlace,
+    ) {
+        if tail.is_empty() {
+            return;
+        }
+        for &h in tail {
+            let parent = self.blocks.get_mut(prev);
+            debug_assert_eq!(parent.holders.len(), 1);
+            let ph = &mut parent.holders[0];
+            ph.add_held_children(1);
+            let holder = Holder::new(place, 0, now, ph.root_tier(), ph.root_node());
+            prev = self.blocks.insert_held(h, prev, holder);
+        }
+        ctx.newly_held += tail.len() as u64;
+        let key = self.key(prev, &self.blocks.get(prev).holders[0]);
+        self.places.entry(place).or_default().candidates.insert(key);
     }
 
     /// `(node, tier)` no longer holds `hashes`; unknown or not-held hashes are ignored.
@@ -479,6 +567,19 @@ impl Directory {
             memory_bytes: memory as u64,
         }
     }
+}
+
+/// Whether a hash occurs twice in `hashes` (sorting a copy: no allocation up to 256 hashes).
+fn has_repeat(hashes: &[BlockHash]) -> bool {
+    if hashes.len() <= 16 {
+        return hashes
+            .iter()
+            .enumerate()
+            .any(|(i, h)| hashes[..i].contains(h));
+    }
+    let mut sorted: smallvec::SmallVec<[BlockHash; 256]> = hashes.iter().copied().collect();
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0] == w[1])
 }
 
 /// The first hash that occurs twice in `parent` + `hashes`, if any.
