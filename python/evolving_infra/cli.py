@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import structlog
 
 from evolving_infra import demo
+from evolving_infra.sim import command as sim_command
 from evolving_infra.timing import TimingError
 from evolving_infra.timing import command as model_command
 from evolving_infra.workloads import TraceError, TraceFormatError
@@ -33,7 +34,7 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-COMMANDS: tuple[Command, ...] = (demo, trace_command, model_command)
+COMMANDS: tuple[Command, ...] = (demo, trace_command, model_command, sim_command)
 
 
 class ConfigError(ValueError):

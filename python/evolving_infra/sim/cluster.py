@@ -1,0 +1,332 @@
+"""The event loop: a trace's requests through routers, nodes, transfers and the planner.
+
+A heap of `(time, seq, callback, argument)`: `seq` breaks ties in insertion order, so a run is
+deterministic for a seed. A request's life:
+1. ready (the closed loop: `agents.AgentReplay`) -> the router picks a prefill node among the
+   accepting ones (held in a cluster queue while none accepts); `evolving` registers the
+   request's prompt as its branch's context (`branch_set`);
+2. prefill (`node.Node`, chunked iterations) -> the router picks a decode node; the request waits
+   there until its KV fits, then its KV moves (bytes / `pd_bandwidth`; blocks the decode node
+   already holds stay) and the prefill node unpins it;
+3. decode spans -> the response: the closed loop posts what it unblocks; `evolving` sets the
+   branch's context to prompt + response, or ends the branch.
+Planner ticks close a slice and may start a switch; sample ticks read the nodes' state for the
+slices; metrics ticks close a timeline point.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from evolving_infra._core import KvDirectory
+from evolving_infra.routing.base import NodeLoad, RouteRequest
+from evolving_infra.sim.agents import AgentReplay, SimRequest
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.kv import BlockParents, NodeKv
+from evolving_infra.sim.metrics import Recorder
+from evolving_infra.sim.node import Node, NodeSettings, blocks_for
+from evolving_infra.sim.planning import Slices, Switcher
+from evolving_infra.sim.policies import PolicyContext, PolicySpec
+from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.truth import RooflineTruth
+from evolving_infra.workloads.model import Trace
+
+Progress = Callable[[float], None]
+
+
+def derive_seed(seed: int, purpose: str) -> int:
+    """A seed per purpose, so adding a random draw for one purpose moves no other."""
+    return random.Random(f"{seed}/{purpose}").getrandbits(63)
+
+
+@dataclass(slots=True)
+class RunStats:
+    events: int = 0
+    wall_s: float = 0.0
+    observed_prefill: int = 0
+    observed_decode: int = 0
+
+
+class Cluster:
+    """One run of one policy on one trace (build, then `run` once)."""
+
+    def __init__(self, trace: Trace, config: SimConfig, policy: PolicySpec) -> None:
+        self.trace, self.config, self.policy = trace, config, policy
+        bs = config.block_size or trace.block_size
+        self.block_size = bs
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+        self.stats = RunStats()
+        self.directory = KvDirectory()
+        self.parents = BlockParents()
+        self.truth = RooflineTruth(
+            config.deployment, noise=config.noise, seed=derive_seed(config.seed, "truth")
+        )
+        self.model = IterationModel(config.deployment)
+        ctx = PolicyContext(config.nodes, bs, config, self.model)
+        self.router = policy.router(ctx)
+        planner = policy.planner(ctx) if policy.planner is not None else None
+        split = policy.split or config.split()
+        settings = NodeSettings(
+            block_size=bs,
+            block_bytes=config.block_bytes(bs),
+            chunk_tokens=config.chunk_tokens,
+            span_cap=config.decode_span_cap,
+            l2_bandwidth=config.l2_bandwidth,
+            pool_bandwidth=config.pool_bandwidth,
+            net_bandwidth=config.pd_bandwidth,
+            shared_pool=policy.shared_pool,
+            prefetch=policy.prefetch,
+        )
+        self.l1_blocks = config.l1_blocks(bs)
+        l2 = config.l2_blocks(bs)
+        self.nodes = [
+            Node(
+                i,
+                "prefill" if i < split.prefill else "decode",
+                NodeKv(i, self.directory, self.parents, self.l1_blocks, l2),
+                self.directory,
+                settings,
+                self,
+            )
+            for i in range(config.nodes)
+        ]
+        self.replay = AgentReplay(trace, self._post_ready)
+        self.metrics = Recorder(bs)
+        self.slices = Slices(config.planner_window_s)
+        self.planner = planner
+        self.switcher: Switcher | None = None
+        if planner is not None:
+            down = {
+                "in-place-keep": config.switch_in_place_s,
+                "in-place-drop": config.switch_in_place_s,
+                "restart": config.switch_restart_s,
+            }[planner.switch_mode]
+            self.switcher = Switcher(
+                self.nodes, planner, down, self.at, self._route_decode, self._retry_pending
+            )
+        self.pending_prefill: deque[SimRequest] = deque()
+        self.pending_decode: deque[SimRequest] = deque()
+        self.outstanding = 0  # posted by the replay, not yet answered
+        self.last_response = 0.0
+        self._observed = {"prefill": -1e300, "decode": -1e300}
+        self._observe_gap = 1.0 / config.observe_per_s if config.observe_per_s > 0 else 0.0
+        self._has_observe_fetch = hasattr(self.router, "observe_fetch")
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def run(
+        self, progress: Progress | None = None, check: Callable[[], None] | None = None
+    ) -> float:
+        """Runs to `config.duration` (or until every request is answered); returns the end.
+        `check()`, if given, runs after every event (tests assert invariants with it)."""
+        import time
+
+        started = time.perf_counter()
+        c = self.config
+        end = c.duration if c.duration is not None else c.max_time
+        self.replay.start()
+        self._progress = progress
+        self.at(c.sample_interval, self._sample_tick, None)
+        self.at(c.metrics_interval, self._metrics_tick, None)
+        if self.planner is not None:
+            self._planner_interval = c.planner_interval or self.planner.interval
+            self.at(self._planner_interval, self._planner_tick, None)
+        heap, pop, events = self._heap, heapq.heappop, 0
+        while heap:
+            t, _, fn, arg = heap[0]
+            if t > end:
+                break
+            pop(heap)
+            self.now = t
+            fn(arg)
+            events += 1
+            if check is not None:
+                check()
+        self.stats.events = events
+        self.stats.wall_s = time.perf_counter() - started
+        # With a duration the run covers it; without, it ends at the last response (the ticks
+        # that follow it measure nothing).
+        return c.duration if c.duration is not None else self.last_response
+
+    def _idle(self) -> bool:
+        """Nothing will ever happen again (runs without a duration stop their ticks)."""
+        return self.config.duration is None and self.outstanding == 0
+
+    def _sample_tick(self, _: object) -> None:
+        self.slices.sample(self.nodes)
+        if self._progress is not None:
+            self._progress(self.now)
+        if not self._idle():
+            self.at(self.now + self.config.sample_interval, self._sample_tick, None)
+
+    def _metrics_tick(self, _: object) -> None:
+        self._point()
+        if not self._idle():
+            self.at(self.now + self.config.metrics_interval, self._metrics_tick, None)
+
+    def _point(self) -> None:
+        span = self.config.metrics_interval
+        last = self.metrics.timeline[-1].t if self.metrics.timeline else 0.0
+        if self.now > last:
+            span = self.now - last
+        p = sum(1 for n in self.nodes if n.phase == "prefill" and n.state == "active")
+        d = sum(1 for n in self.nodes if n.phase == "decode" and n.state == "active")
+        self.metrics.point(self.now, span, p, d, len(self.nodes) - p - d)
+
+    def _planner_tick(self, _: object) -> None:
+        assert self.planner is not None
+        assert self.switcher is not None
+        self.slices.close(self.now)
+        target = self.planner.decide(
+            self.now, self.switcher.split(), list(self.slices.window), self.model
+        )
+        if target is not None:
+            self.switcher.request(target, self.now)
+        if not self._idle():
+            self.at(self.now + self._planner_interval, self._planner_tick, None)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _post_ready(self, t: float, req: SimRequest) -> None:
+        self.outstanding += 1
+        self.at(t, self._ready, req)
+
+    def _ready(self, req: SimRequest) -> None:
+        req.issued = self.now
+        self.metrics.issued += 1
+        if blocks_for(req.prompt_tokens + req.output_tokens, self.block_size) > self.l1_blocks:
+            req.done = self.now
+            self.metrics.done(req, rejected=True)
+            self._respond(req, served=False)
+            return
+        if self.policy.branch_counts and req.hashes:
+            self.directory.branch_set(req.key, req.hashes)
+        self._route_prefill(req)
+
+    def _loads(self) -> list[NodeLoad]:
+        return [n.load() for n in self.nodes]
+
+    def _route_prefill(self, req: SimRequest) -> None:
+        if not any(n.accepting and n.phase == "prefill" for n in self.nodes):
+            self.pending_prefill.append(req)
+            return
+        rr = RouteRequest(req.hashes, req.prompt_tokens, 0, req.key)
+        p = self.router.choose_prefill(rr, self._loads(), self.directory)
+        node = self._check(p, "prefill")
+        req.prefill_node = p
+        u, c = node.enqueue(req, self.now)
+        self.slices.arrival(req.prompt_tokens, u, c)
+
+    def _route_decode(self, req: SimRequest) -> None:
+        if not any(n.accepting and n.phase == "decode" for n in self.nodes):
+            self.pending_decode.append(req)
+            return
+        rr = RouteRequest(req.hashes, req.prompt_tokens, 0, req.key)
+        d = self.router.choose_decode(rr, self._loads(), self.directory)
+        if self._check(d, "decode").offer(req, self.now):
+            self.start_transfer(req)
+
+    def _check(self, node: int, phase: str) -> Node:
+        n = self.nodes[node] if 0 <= node < len(self.nodes) else None
+        if n is None or n.phase != phase or not n.accepting:
+            raise RuntimeError(
+                f"router {self.router.name!r} chose {node}, not an accepting {phase} node"
+            )
+        return n
+
+    def _retry_pending(self) -> None:
+        for queue, route in (
+            (self.pending_prefill, self._route_prefill),
+            (self.pending_decode, self._route_decode),
+        ):
+            waiting = list(queue)
+            queue.clear()
+            for r in waiting:
+                route(r)
+
+    def _arrived(self, req: SimRequest) -> None:
+        self.nodes[req.prefill_node].release(req, self.now)
+        req.first_token = self.now
+        self.metrics.produced(1)
+        self.slices.tokens(1)
+        self.nodes[req.decode_node].arrive(req, self.now)
+
+    def _respond(self, req: SimRequest, served: bool = True) -> None:
+        self.outstanding -= 1
+        self.last_response = self.now
+        ended = self.replay.complete(req, self.now)
+        if self.policy.branch_counts:
+            if ended:
+                self.directory.branch_end(req.key)
+            elif served and req.hashes:
+                # What the live router knows once the response is in: the branch's context is
+                # now its prompt and the response (its next prompt will extend them).
+                self.directory.branch_set(req.key, req.hashes + req.out_hashes)
+
+    # -- the nodes' environment (`node.Env`) --------------------------------------------------
+
+    def observe_prefill(self, pairs: list[tuple[int, int]], seconds: float) -> None:
+        if self.now - self._observed["prefill"] >= self._observe_gap:
+            self._observed["prefill"] = self.now
+            self.stats.observed_prefill += 1
+            self.model.observe_prefill(pairs, seconds, self.now)
+
+    def observe_decode(self, batch: int, context: int, seconds: float) -> None:
+        if self.now - self._observed["decode"] >= self._observe_gap:
+            self._observed["decode"] = self.now
+            self.stats.observed_decode += 1
+            self.model.observe_decode(batch, context, seconds, self.now)
+
+    def fetched(self, l2_blocks: int, remote_blocks: int, seconds: float) -> None:
+        if not self._has_observe_fetch:
+            return
+        bb = self.config.block_bytes(self.block_size)
+        c = self.config
+        observe = self.router.observe_fetch  # type: ignore[attr-defined]
+        if l2_blocks > 0:
+            observe("l2", l2_blocks * bb, l2_blocks * bb / c.l2_bandwidth)
+        if remote_blocks > 0:
+            observe("pool", remote_blocks * bb, remote_blocks * bb / c.pool_bandwidth)
+
+    def prefilled(self, req: SimRequest) -> None:
+        self.parents.register(req.hashes)
+        self.metrics.prefilled(req)
+        if req.output_tokens <= 0:
+            self.nodes[req.prefill_node].release(req, self.now)
+            req.first_token = req.done = self.now
+            self.metrics.done(req)
+            self._respond(req)
+            return
+        self._route_decode(req)
+
+    def start_transfer(self, req: SimRequest) -> None:
+        moved = max(req.prompt_tokens - req.h_d * self.block_size, 0)
+        c = self.config
+        seconds = c.transfer_latency + moved * c.kv_bytes_per_token / c.pd_bandwidth
+        self.at(self.now + seconds, self._arrived, req)
+
+    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None:
+        self.metrics.produced(batch * iterations)
+        self.slices.tokens(batch * iterations)
+
+    def decoded(self, req: SimRequest) -> None:
+        self.metrics.done(req)
+        self._respond(req)
+
+    def next_hashes(self, req: SimRequest) -> list[int] | None:
+        return self.replay.next_hashes(req)
+
+    def changed(self, node: Node) -> None:
+        if node.state == "draining" and self.switcher is not None:
+            self.switcher.check(node, self.now)

@@ -1,0 +1,131 @@
+"""`evolving-infra sim`: compare serving policies on a simulated PD-disaggregated cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from evolving_infra.argtypes import natural_int, positive_int, positive_seconds
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.plots import timelines
+from evolving_infra.sim.run import BEST_STATIC, compare, main_table
+from evolving_infra.timing.specs import GPUS, MODELS, Deployment
+from evolving_infra.workloads import generators, stats
+from evolving_infra.workloads.errors import WorkloadError
+from evolving_infra.workloads.importers import claude_code_trace
+from evolving_infra.workloads.model import Trace
+from evolving_infra.workloads.sampling import sample_agents
+
+NAME = "sim"
+HELP = "compare routing/planner policies on a simulated PD-disaggregated cluster"
+DESCRIPTION = """\
+Replays a closed-loop agent workload (a generator, or trace files) on a simulated cluster of
+GPUs / TP nodes, once per policy, and compares them: output tokens/s, requests/s, latencies
+(TTFT percentiles, inter-token), the KV hit rate h against h* (one infinite shared cache) and
+the phase switches each policy made. The ground-truth iteration times come from a roofline of
+the model on the GPU (hidden from the policies, which see only a model fitted online).
+
+Policies: evolving, dynamo, arrow, static:xPyD (a fixed split), best-static (every split run as
+static, the best by throughput reported). See docs/simulator.md.
+
+Writes DIR/results.json (every figure, per-minute timelines), DIR/results.md (a table) and
+DIR/timeline_*.png. With --trace, the files' agents are drawn into --agents slots of sessions
+for --duration nominal seconds (as `trace sample` does); without, the --workload generator
+makes them."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        choices=sorted(generators.MODULES),
+        default="cc",
+        help="generator of the agents (default: cc)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="trace files or folders to draw the agents from instead of a generator",
+    )
+    parser.add_argument("--gpus", type=positive_int, default=36, help="GPUs (default: 36)")
+    parser.add_argument("--tp", type=positive_int, default=4, help="GPUs per node (default: 4)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-3-70b")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100-sxm")
+    parser.add_argument(
+        "--agents", type=positive_int, default=50, help="concurrent agent slots (default: 50)"
+    )
+    parser.add_argument(
+        "--duration",
+        type=positive_seconds,
+        default=3600.0,
+        help="simulated seconds, also the workload's nominal length (default: 3600)",
+    )
+    parser.add_argument(
+        "--policies",
+        default=f"evolving,dynamo,arrow,{BEST_STATIC}",
+        help="comma-separated policies (default: evolving,dynamo,arrow,best-static)",
+    )
+    parser.add_argument("--seed", type=natural_int, default=0, help="seed (default: 0)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("sim-results"), help="output folder (default: sim-results)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def load_trace(args: argparse.Namespace) -> Trace:
+    plan = generators.SlotPlan(agents=args.agents, duration=args.duration, seed=args.seed)
+    if not args.trace:
+        return generators.generate(args.workload, plan)
+    files = stats.find_files(args.trace)
+    if not files:
+        raise FileNotFoundError(f"no trace files in {', '.join(map(str, args.trace))}")
+    traces = []
+    for path in files:
+        _, loaded = stats.load_file(path)
+        traces.append(loaded if isinstance(loaded, Trace) else claude_code_trace([loaded]))
+    sizes = {t.block_size for t in traces}
+    if len(sizes) > 1:
+        raise WorkloadError(f"cannot mix traces of different block sizes {sorted(sizes)}")
+    pool = Trace(
+        name="+".join(sorted({t.name for t in traces})),
+        block_size=sizes.pop(),
+        agents=tuple(a for t in traces for a in t.agents),
+        prefixes={k: v for t in traces for k, v in t.prefixes.items()},
+    )
+    return sample_agents(pool, plan)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not names:
+        raise WorkloadError("--policies names no policy")
+    deployment = Deployment(MODELS[args.model], GPUS[args.gpu], tp=args.tp)
+    try:
+        config = SimConfig(
+            gpus=args.gpus, deployment=deployment, seed=args.seed, duration=args.duration
+        )
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
+    trace = load_trace(args)
+    try:
+        results = compare(trace, config, names, progress=not args.no_progress)
+    except ValueError as e:  # an unknown policy name, a split that does not fit
+        raise WorkloadError(str(e)) from None
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    c = results["config"]
+    header = (
+        f"# {trace.name}: {len(trace.agents)} agents, {c['nodes']} nodes of "
+        f"{deployment.tp} x {deployment.gpu.name} ({deployment.model.name}), "
+        f"{config.duration:,.0f} s, seed {config.seed}\n\n"
+    )
+    table = main_table(results)
+    (out / "results.md").write_text(header + table, encoding="utf-8")
+    timelines(results, out)
+    print(table, end="")
+    print(f"wrote {out}/results.json, results.md and timeline_*.png", file=sys.stderr)
+    return 0

@@ -1,0 +1,148 @@
+"""The simulator's parameters, with their defaults and where each figure comes from.
+
+Capacities follow docs/simulator.md ("Nodes and KV"): a node of `tp` GPUs keeps
+`tp · HBM · mem_fraction - weights - tp · activation reserve` bytes of KV in GPU memory (L1), in
+pages of `block_size` tokens (the trace's block size, as SGLang's page), and `host_memory_per_gpu
+· tp` bytes in host memory (L2). Bandwidths are given per GPU and scale with `tp`. Every figure
+marked "assumption" is one: the comparisons between policies hold them fixed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from evolving_infra.planner.base import Split
+from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
+from evolving_infra.timing.ttft import DEFAULT_L2_BANDWIDTH, DEFAULT_POOL_BANDWIDTH
+
+# SGLang's `mem_fraction_static` default (0.9 of HBM for weights and KV) and a few GiB per GPU
+# for activations and CUDA graphs: the same figures the planners size decode batches with
+# (planner/common.py), so the policies' view of capacity is the simulator's.
+MEM_FRACTION = 0.9
+ACTIVATION_RESERVE_PER_GPU = 4 * 2**30
+# 1 TiB of host memory per 8-GPU server (docs/simulator.md), shared pro rata by its nodes.
+HOST_MEMORY_PER_GPU = 2**40 / 8
+# Far-future last-access time: how a running request pins its blocks (see `kv.py`).
+PIN_TIME = 1e15
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated cluster; `nodes = gpus / tp`."""
+
+    gpus: int = 36
+    deployment: Deployment = DEFAULT_DEPLOYMENT  # model, GPU and tp (tp: GPUs per node)
+    block_size: int | None = None  # tokens per KV page; None: the trace's block size
+    # SGLang's default `chunked_prefill_size`: the token budget of one prefill iteration.
+    chunk_tokens: int = 8192
+    # KV transfers, bytes/s per GPU; a node's KV is sharded over its `tp` GPUs, which move
+    # their shards in parallel, so a node's figure is `tp` times these (`pd_bandwidth`, ...).
+    # Assumptions, the TTFT predictor's defaults (timing/ttft.py): one 200 Gb/s RDMA NIC per
+    # GPU (~25 GB/s) carries P->D transfers, reads of another node's L1 and of the shared pool
+    # (other nodes' L2); host memory -> GPU over PCIe Gen5 x16 reaches ~50 GB/s.
+    net_bandwidth_per_gpu: float = DEFAULT_POOL_BANDWIDTH
+    l2_bandwidth_per_gpu: float = DEFAULT_L2_BANDWIDTH
+    transfer_latency: float = 1e-3  # seconds per KV transfer: RDMA setup and handshake
+    host_memory_per_gpu: float = HOST_MEMORY_PER_GPU  # bytes of L2 per GPU (0: no L2)
+    mem_fraction: float = MEM_FRACTION
+    activation_reserve_per_gpu: float = ACTIVATION_RESERVE_PER_GPU
+    # Phase switches (docs/simulator.md): in place 6.2 s, a restart 700 s.
+    switch_in_place_s: float = 6.2
+    switch_restart_s: float = 700.0
+    planner_interval: float | None = None  # None: the planner's own `interval`
+    planner_window_s: float = 600.0  # slices handed to the planner: those of this past
+    metrics_interval: float = 60.0  # one timeline point per simulated minute
+    sample_interval: float = 1.0  # node state (batch, queue, KV use) is sampled this often
+    decode_span_cap: int = 64  # iterations a decode span may cover at most
+    # The policies' iteration model keeps ~2,000 samples over 10 minutes (timing/model.py):
+    # observing more than a few iterations per second per phase only churns its window, and
+    # each observation costs ~0.1 ms, so iterations are observed at most this often.
+    observe_per_s: float = 2.0
+    noise: float = 0.02  # lognormal sigma of the ground truth's iteration times
+    initial_split: Split | None = None  # None: half the nodes prefill (rounded down, >= 1)
+    seed: int = 0
+    duration: float | None = None  # simulated seconds; None: until every request completes
+    # Safety net when `duration` is None: a run never goes past this simulated time.
+    max_time: float = 30 * 24 * 3600.0
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept in results
+
+    def __post_init__(self) -> None:
+        tp = self.deployment.tp
+        if self.gpus < 2 * tp or self.gpus % tp:
+            raise ValueError(f"gpus ({self.gpus}) must be a multiple of tp ({tp}), >= 2 nodes")
+        if self.chunk_tokens < 1 or self.decode_span_cap < 1:
+            raise ValueError("chunk_tokens and decode_span_cap must be >= 1")
+        for name in ("net_bandwidth_per_gpu", "l2_bandwidth_per_gpu", "sample_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.duration is not None and not (self.duration > 0 and math.isfinite(self.duration)):
+            raise ValueError(
+                f"duration must be a finite number of seconds > 0, got {self.duration}"
+            )
+        if self.initial_split is not None:
+            s = self.initial_split
+            if s.prefill < 1 or s.decode < 1 or s.prefill + s.decode != self.nodes:
+                raise ValueError(f"initial split {s} is not a split of {self.nodes} nodes")
+        if self.l1_bytes <= 0:
+            raise ValueError("the model's weights leave no GPU memory for KV")
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.deployment.tp
+
+    @property
+    def pd_bandwidth(self) -> float:
+        """Bytes/s of a P->D transfer, or of a read of another node's L1."""
+        return self.net_bandwidth_per_gpu * self.deployment.tp
+
+    @property
+    def pool_bandwidth(self) -> float:
+        """Bytes/s of a read from another node's L2 (the shared pool)."""
+        return self.net_bandwidth_per_gpu * self.deployment.tp
+
+    @property
+    def l2_bandwidth(self) -> float:
+        """Bytes/s from the node's own host memory to its GPUs."""
+        return self.l2_bandwidth_per_gpu * self.deployment.tp
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.deployment.model.kv_bytes_per_token
+
+    @property
+    def l1_bytes(self) -> float:
+        d = self.deployment
+        per_gpu = d.gpu.memory * self.mem_fraction - self.activation_reserve_per_gpu
+        return d.tp * per_gpu - d.model.weight_bytes
+
+    def block_bytes(self, block_size: int) -> int:
+        return block_size * self.kv_bytes_per_token
+
+    def l1_blocks(self, block_size: int) -> int:
+        return int(self.l1_bytes // self.block_bytes(block_size))
+
+    def l2_blocks(self, block_size: int) -> int:
+        return int(self.host_memory_per_gpu * self.deployment.tp // self.block_bytes(block_size))
+
+    def split(self) -> Split:
+        if self.initial_split is not None:
+            return self.initial_split
+        p = max(1, self.nodes // 2)
+        return Split(p, self.nodes - p)
+
+    def to_dict(self, block_size: int) -> dict[str, Any]:
+        """JSON-ready parameters, with the derived capacities for `block_size`."""
+        out = asdict(self)
+        d = self.deployment
+        out["deployment"] = {"model": d.model.name, "gpu": d.gpu.name, "tp": d.tp}
+        out["initial_split"] = str(self.split())
+        out["block_size"] = block_size
+        out["nodes"] = self.nodes
+        out["l1_blocks_per_node"] = self.l1_blocks(block_size)
+        out["l2_blocks_per_node"] = self.l2_blocks(block_size)
+        out["pd_bandwidth"] = self.pd_bandwidth
+        out["pool_bandwidth"] = self.pool_bandwidth
+        out["l2_bandwidth"] = self.l2_bandwidth
+        return out

@@ -1,0 +1,229 @@
+"""A node's KV memory: what it caches (mirrored in the shared `KvDirectory`) and what runs.
+
+L1 (GPU) holds the cache and the KV of running requests; the directory is the record of the
+cache, and this class keeps the counts the directory cannot give per node:
+- `l1_held`, `l2_held`: blocks the directory says the node holds per tier, tracked exactly from
+  the directory's own `locations_l1/l2` counters around each store, and from what `evict`
+  returns;
+- `reserved`: blocks running requests take beyond what is in the directory (tokens still being
+  prefilled or decoded, a partial last page, fetches in flight);
+- `pinned`: cached blocks running requests read (their prefixes), which must not be evicted.
+`used = l1_held + reserved` never exceeds `l1_capacity`; room is made by evicting up to
+`l1_held - pinned` blocks.
+
+Pinning without a pin API: the leaf of a running request's chain gets a far-future last-access
+time (`PIN_TIME`; blocks stored for it while it runs get it too), and unpinning touches the
+whole chain with the real time. Eviction takes leaves only and orders by `(R_b > 0, T_b, ...)`,
+so a pinned leaf comes after every unpinned block of its kind (`R_b = 0` under LRU; under the
+branch-aware order a running request's branch is live, so `R_b > 0`) and shields every block
+above it. Evictions never exceed `l1_held - pinned`, and `pinned` counts a prefix shared by
+running requests once per request (an over-estimate), so a pinned block is never chosen. (Two
+running requests with the very same chain share one leaf: the first to finish unpins both.)
+
+L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), L2
+evictions drop the block. A demoted run's parent comes from `BlockParents`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+
+import numpy as np
+import numpy.typing as npt
+
+from evolving_infra._core import KvDirectory
+from evolving_infra.sim.config import PIN_TIME
+
+IntArray = npt.NDArray[np.int64]
+
+
+class BlockParents:
+    """Where every block ever stored sits in a chain: demoting an evicted run to L2 needs the
+    run's parent and where the run ends.
+
+    Each block maps to (a chain holding it, its index there), the chain kept as an int64 array.
+    A block's prefix is the same in every chain that holds it (its hash fixes the prefix), so
+    any such chain will do. Evictions come back leaf first, so reversed they are stretches of
+    registered chains: one dictionary look-up per stretch and a vectorised comparison find each
+    stretch, where a look-up per block (hundreds of thousands per simulated minute, each a
+    cache miss in a dictionary of millions) was the simulator's hottest spot.
+    """
+
+    def __init__(self) -> None:
+        self.pos: dict[int, tuple[IntArray, int]] = {}
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.pos
+
+    def register(self, chain: Sequence[int]) -> None:
+        """Records a chain from a first page (chains are prefix-closed: the known blocks are a
+        prefix of it, so one binary search finds the new ones)."""
+        pos = self.pos
+        lo, hi = 0, len(chain)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if chain[mid] in pos:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(chain):
+            arr = np.array(chain, dtype=np.int64)
+            pos.update(zip(chain[lo:], zip(repeat(arr), range(lo, len(chain))), strict=False))
+
+    def runs(self, blocks: list[int]) -> list[tuple[int, int, int | None]]:
+        """`blocks` (each after its parent, if that is among them) cut into parent-child runs:
+        (start, end, parent of the first), in order. Unregistered blocks are left out.
+
+        Matched from the end: the last block of a run is the deepest, and any chain holding it
+        holds its whole path from the first page, so one comparison against that chain finds
+        the whole run, however many turns registered its blocks.
+        """
+        pos = self.pos
+        ev = np.array(blocks, dtype=np.int64)
+        out: list[tuple[int, int, int | None]] = []
+        hi = len(blocks)
+        while hi > 0:
+            ref = pos.get(blocks[hi - 1])
+            if ref is None:
+                hi -= 1
+                continue
+            arr, j = ref
+            span = min(hi, j + 1)
+            diff = ev[hi - span : hi] != arr[j + 1 - span : j + 1]
+            # The run starts after the last mismatch (the block before it is not its parent).
+            lo = hi - span + (span - int(diff[::-1].argmax()) if diff.any() else 0)
+            first = j - (hi - lo) + 1  # index of the run's first block in `arr`
+            out.append((lo, hi, int(arr[first - 1]) if first else None))
+            hi = lo
+        out.reverse()
+        return out
+
+
+class NodeKv:
+    """One node's L1 and L2 as the simulator drives them (see the module docstring)."""
+
+    __slots__ = (
+        "demoted",
+        "directory",
+        "dropped",
+        "evicted",
+        "l1_capacity",
+        "l1_held",
+        "l2_capacity",
+        "l2_held",
+        "node",
+        "parents",
+        "pinned",
+        "reserved",
+    )
+
+    def __init__(
+        self,
+        node: int,
+        directory: KvDirectory,
+        parents: BlockParents,
+        l1_capacity: int,
+        l2_capacity: int,
+    ) -> None:
+        self.node = node
+        self.directory = directory
+        self.parents = parents
+        self.l1_capacity = l1_capacity
+        self.l2_capacity = l2_capacity
+        self.l1_held = self.l2_held = self.reserved = self.pinned = 0
+        self.evicted = self.demoted = self.dropped = 0  # counters, for reports
+
+    @property
+    def used(self) -> int:
+        return self.l1_held + self.reserved
+
+    def room(self, need: int) -> bool:
+        """Whether `need` more blocks fit once the unpinned cache is evicted."""
+        free = self.l1_capacity - self.l1_held - self.reserved
+        return need <= free + max(self.l1_held - self.pinned, 0)
+
+    def reserve(self, need: int, now: float) -> bool:
+        """Takes `need` blocks for a running request, evicting as needed; False (nothing
+        changed) if they cannot fit."""
+        free = self.l1_capacity - self.l1_held - self.reserved
+        if need > free:
+            if need > free + max(self.l1_held - self.pinned, 0):
+                return False
+            self._evict(need - free, now)
+            if need > self.l1_capacity - self.l1_held - self.reserved:
+                return False  # unreachable while `pinned` over-estimates (see above)
+        self.reserved += need
+        return True
+
+    def store(self, chain: Sequence[int], parent: int | None, now: float) -> int:
+        """Stores `chain` (child of `parent`) in L1 with last access `now`; returns the blocks
+        newly held (some may be held already). The caller converts its reservation."""
+        if not chain:
+            return 0
+        d = self.directory
+        before = d.stats()["locations_l1"]
+        d.store(self.node, "L1", chain, parent, now)
+        new = d.stats()["locations_l1"] - before
+        self.l1_held += new
+        return new
+
+    def pin(self, chain: Sequence[int]) -> None:
+        """Pins `chain`, which this node holds in L1: only its leaf needs the far-future time
+        (eviction takes leaves, so the leaf shields its ancestors), and re-storing one held
+        block sets it in O(1) where a `touch` walks the whole chain."""
+        if chain:
+            parent = chain[-2] if len(chain) > 1 else None
+            self.directory.store(self.node, "L1", chain[-1:], parent, PIN_TIME)
+
+    def unpin(self, chain: Sequence[int], now: float) -> None:
+        """The request is done with `chain`: every block it read was used `now` (LRU)."""
+        if chain:
+            self.directory.touch(self.node, chain, now)
+
+    def fit(self, now: float) -> None:
+        """Evicts until `used <= l1_capacity` (after a store landed on blocks it had not
+        reserved, e.g. output blocks)."""
+        over = self.l1_held + self.reserved - self.l1_capacity
+        if over > 0:
+            self._evict(min(over, max(self.l1_held - self.pinned, 0)), now)
+
+    def clear(self) -> None:
+        """Drops everything the node caches (a restart, or a switch that loses the KV)."""
+        assert self.reserved == 0, "only an idle node is cleared"
+        assert self.pinned == 0, "only an idle node is cleared"
+        self.directory.clear(self.node)
+        self.l1_held = self.l2_held = 0
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def _evict(self, n: int, now: float) -> None:
+        if n <= 0:
+            return
+        evicted = self.directory.evict(self.node, "L1", n)
+        self.l1_held -= len(evicted)
+        self.evicted += len(evicted)
+        if self.l2_capacity > 0 and evicted:
+            self._demote(evicted, now)
+
+    def _demote(self, evicted: list[int], now: float) -> None:
+        # `evict` removes a child before its parent, so reversed, each block's parent comes
+        # just before it or is still held in this node's L1 (L1 is prefix-closed): runs of
+        # parent-child blocks are valid chains even though the directory may already have
+        # dropped the evicted blocks nothing else refers to.
+        evicted.reverse()
+        d = self.directory
+        before = d.stats()["locations_l2"]
+        for lo, hi, first in self.parents.runs(evicted):
+            # A run whose parent is gone from every tier could never be matched again
+            # (matching walks from the first page): dropping it loses nothing.
+            if first is None or first in d:
+                d.store(self.node, "L2", evicted[lo:hi], first, now)
+        new = d.stats()["locations_l2"] - before
+        self.l2_held += new
+        self.demoted += new
+        over = self.l2_held - self.l2_capacity
+        if over > 0:
+            dropped = d.evict(self.node, "L2", over)
+            self.l2_held -= len(dropped)
+            self.dropped += len(dropped)

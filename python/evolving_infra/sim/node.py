@@ -1,0 +1,444 @@
+"""One node's mechanics: a prefill queue with chunked iterations, or a decode batch in spans.
+
+Prefill (docs/simulator.md, "Prefill iterations"): requests are admitted FIFO into an iteration
+up to the chunk budget; a longer request is split into chunks over several iterations, each
+chunk's cached part being the prefix plus the chunks before it. Admission takes the request's KV
+(`NodeKv.reserve`): its cached prefix is pinned, blocks it finds in this node's L2 or elsewhere
+are fetched into L1 (the iteration waits for the fetch; with `prefetch` the fetch starts when
+the request is queued, so it overlaps the wait), and the uncached rest is reserved. At the end
+the prompt's blocks are stored in L1, pinned until the KV has moved to the decode node.
+
+Decode (docs/simulator.md, "Decode spans"): the batch advances by spans of k iterations, k the
+fewest tokens any request still needs (capped); the span's time is k times the truth's
+iteration time at the span's mean context (context grows by B tokens per iteration). A request
+arriving mid-span cuts the span at the next iteration boundary and joins after it (continuous
+batching admits at iteration boundaries). A decode node admits a request only when its whole
+KV (prompt and output) fits; otherwise the request waits, FIFO, with its KV still on the
+prefill node.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from evolving_infra._core import KvDirectory
+from evolving_infra.routing.base import NodeLoad, Phase
+from evolving_infra.sim.agents import SimRequest
+from evolving_infra.sim.config import PIN_TIME
+from evolving_infra.sim.kv import NodeKv
+from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.truth import RooflineTruth
+
+State = Literal["active", "draining", "down"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """What every node of a run shares (from `SimConfig` and the policy)."""
+
+    block_size: int
+    block_bytes: int
+    chunk_tokens: int
+    span_cap: int
+    l2_bandwidth: float
+    pool_bandwidth: float
+    net_bandwidth: float  # reads of another node's L1
+    shared_pool: bool  # prefill may read blocks any node holds (else only its own L1/L2)
+    prefetch: bool  # fetch while queued
+
+
+class Env(Protocol):
+    """What a node asks of the cluster that runs it."""
+
+    truth: RooflineTruth
+    model: IterationModel
+    now: float
+
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any) -> None: ...
+    def observe_prefill(self, pairs: list[tuple[int, int]], seconds: float) -> None: ...
+    def observe_decode(self, batch: int, context: int, seconds: float) -> None: ...
+    def fetched(self, l2_blocks: int, remote_blocks: int, seconds: float) -> None: ...
+    def prefilled(self, req: SimRequest) -> None: ...
+    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None: ...
+    def decoded(self, req: SimRequest) -> None: ...
+    def start_transfer(self, req: SimRequest) -> None: ...
+    def next_hashes(self, req: SimRequest) -> list[int] | None: ...
+    def changed(self, node: Node) -> None: ...
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Node:
+    """A prefill or decode node (the phase may change at a switch)."""
+
+    def __init__(
+        self,
+        node: int,
+        phase: Phase,
+        kv: NodeKv,
+        directory: KvDirectory,
+        settings: NodeSettings,
+        env: Env,
+    ) -> None:
+        self.id = node
+        self.phase: Phase = phase
+        self.state: State = "active"
+        self.kv = kv
+        self.directory = directory
+        self.s = settings
+        self.env = env
+        # prefill
+        self.queue: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []  # admitted, tokens left to compute
+        self.busy = False
+        self._iter: list[tuple[SimRequest, int]] = []
+        self._iter_pairs: list[tuple[int, int]] = []
+        self._iter_compute = 0.0
+        self.queued_s = 0.0  # predicted seconds of prefill work queued or running
+        self.queued_tokens = 0  # uncached tokens queued or running
+        # decode
+        self.batch: list[SimRequest] = []
+        self.joining: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()  # not admitted yet (KV does not fit)
+        self.inbound = 0  # admitted, KV in transfer
+        self.in_span = False
+        self._span = (0.0, 0, 0.0, 0.0)  # start, iterations, seconds per iteration, context
+        self._token = 0
+        # switch bookkeeping (the cluster's)
+        self.target: Phase | None = None
+        self.drain_start = 0.0
+
+    @property
+    def accepting(self) -> bool:
+        return self.state == "active"
+
+    def load(self) -> NodeLoad:
+        kv = self.kv
+        return NodeLoad(
+            node=self.id,
+            phase=self.phase,
+            accepting=self.state == "active",
+            queued_prefill_s=self.queued_s if self.queued_s > 0 else 0.0,
+            queued_prefill_tokens=self.queued_tokens,
+            decode_requests=len(self.batch) + len(self.joining) + self.inbound + len(self.waiting),
+            kv_used_blocks=min(kv.reserved + kv.pinned, kv.l1_capacity),
+            kv_capacity_blocks=kv.l1_capacity,
+        )
+
+    def drained(self) -> bool:
+        """Nothing runs, waits or holds KV here: the node may switch."""
+        if self.phase == "prefill":
+            return not (self.busy or self.queue or self.running or self.kv.pinned)
+        return not (self.in_span or self.batch or self.joining or self.inbound or self.waiting)
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def reach(self, hashes: Sequence[int]) -> tuple[int, int, int, int]:
+        """(l1, l12, pool, c): the prompt's leading blocks in this node's L1, its L1 or L2, any
+        L2 (capped to what is reachable), and the cached prefix this node can use."""
+        m = self.directory.match(hashes)
+        l1, l12 = m.nodes.get(self.id, (0, 0))
+        if not self.s.shared_pool:
+            return l1, l12, l12, l12
+        c = max(l12, m.cluster)
+        return l1, l12, max(l12, min(m.pool, c)), c
+
+    def fetch_seconds(self, l1: int, l12: int, pool: int, c: int) -> float:
+        s = self.s
+        return s.block_bytes * (
+            (l12 - l1) / s.l2_bandwidth
+            + (pool - l12) / s.pool_bandwidth
+            + (c - pool) / s.net_bandwidth
+        )
+
+    def enqueue(self, req: SimRequest, now: float) -> tuple[int, int]:
+        """Queues `req` for prefill; returns its (uncached, cached) prompt tokens as estimated
+        now (the demand the planner's slices count)."""
+        bs, t = self.s.block_size, req.prompt_tokens
+        l1, l12, pool, c = self.reach(req.hashes)
+        u = max(t - min(c * bs, t), 1)
+        req.cached_blocks = c
+        req.uncached = u
+        req.pred_s = self.env.model.predict_prefill_one(u, t - u)
+        self.queued_s += req.pred_s
+        self.queued_tokens += u
+        self.queue.append(req)
+        if self.s.prefetch and c > l1 and self._reserve_pinned(req.hashes, l1, c - l1, now):
+            self._take_cached(req, l1, l12, pool, c, now)
+            req.prefetched = True
+        if not self.busy:
+            self._next_prefill(now)
+        return u, t - u
+
+    def _reserve_pinned(self, hashes: list[int], l1: int, need: int, now: float) -> bool:
+        """Pins the prompt's `l1` leading L1 blocks, then reserves `need` more (the eviction
+        that makes room must not take the very prefix the request is about to read); on
+        failure nothing changes."""
+        kv = self.kv
+        kv.pinned += l1
+        if not kv.room(need):
+            kv.pinned -= l1
+            return False
+        kv.pin(hashes[:l1])
+        kv.reserve(need, now)
+        return True
+
+    def _take_cached(
+        self, req: SimRequest, l1: int, l12: int, pool: int, c: int, now: float
+    ) -> None:
+        """Fetches blocks l1..c into L1 (the caller pinned l1 and reserved the rest)."""
+        h, kv = req.hashes, self.kv
+        if c > l1:
+            kv.store(h[l1:c], h[l1 - 1] if l1 else None, PIN_TIME)
+            kv.reserved -= c - l1
+            seconds = self.fetch_seconds(l1, l12, pool, c)
+            req.fetch_ready = now + seconds
+            self.env.fetched(l12 - l1, c - l12, seconds)
+        else:
+            req.fetch_ready = now
+        req.pin_p = c
+        kv.pinned += c - l1
+        req.cached_blocks = c
+
+    def _admit(self, req: SimRequest, now: float) -> bool:
+        bs, t, kv = self.s.block_size, req.prompt_tokens, self.kv
+        total = blocks_for(t, bs)
+        if req.prefetched:
+            need = total - req.cached_blocks
+            if not kv.reserve(need, now):
+                return False
+            req.res_p = need
+        else:
+            l1, l12, pool, c = self.reach(req.hashes)
+            need = total - l1
+            if not self._reserve_pinned(req.hashes, l1, need, now):
+                return False
+            self._take_cached(req, l1, l12, pool, c, now)
+            req.res_p = need - (c - l1)
+        # The cache may have changed since the request was queued: re-estimate its work.
+        u = max(t - min(req.cached_blocks * bs, t), 1)
+        if u != req.uncached:
+            pred = self.env.model.predict_prefill_one(u, t - u)
+            self.queued_s += pred - req.pred_s
+            self.queued_tokens += u - req.uncached
+            req.pred_s, req.uncached = pred, u
+        req.remaining = u
+        return True
+
+    def _unprefetch_queue(self, now: float) -> bool:
+        """Releases the pins of queued prefetched requests behind the head, so that the head
+        can be admitted (else prefetches could hold the L1 the head needs: a deadlock)."""
+        released = False
+        for r in list(self.queue)[1:]:
+            if r.prefetched:
+                self.kv.unpin(r.hashes, now)
+                self.kv.pinned -= r.pin_p
+                r.pin_p = 0
+                r.prefetched = False
+                released = True
+        return released
+
+    def _next_prefill(self, now: float) -> None:
+        if self.busy:
+            return
+        budget = self.s.chunk_tokens
+        batch: list[tuple[SimRequest, int]] = []
+        pairs: list[tuple[int, int]] = []
+        wait = 0.0
+        for r in self.running:
+            if budget <= 0:
+                break
+            u = min(r.remaining, budget)
+            batch.append((r, u))
+            pairs.append((u, r.prompt_tokens - r.remaining))
+            budget -= u
+            wait = max(wait, r.fetch_ready - now)
+        while budget > 0 and self.queue:
+            r = self.queue[0]
+            # A head that does not fit with nothing running may be blocked by the prefetches
+            # behind it: release them and try once more.
+            if not self._admit(r, now) and (
+                self.running or not self._unprefetch_queue(now) or not self._admit(r, now)
+            ):
+                break
+            self.queue.popleft()
+            self.running.append(r)
+            u = min(r.remaining, budget)
+            batch.append((r, u))
+            pairs.append((u, r.prompt_tokens - r.remaining))
+            budget -= u
+            wait = max(wait, r.fetch_ready - now)
+        if not batch:
+            return  # idle, or the head waits for KV: `kick` retries when KV is released
+        compute = self.env.truth.prefill_time(pairs)
+        self.busy = True
+        self._iter, self._iter_pairs, self._iter_compute = batch, pairs, compute
+        self.env.at(now + wait + compute, self._prefill_done, None)
+
+    def _prefill_done(self, _: object) -> None:
+        now = self._now()
+        self.busy = False
+        self.env.observe_prefill(self._iter_pairs, self._iter_compute)
+        finished: list[SimRequest] = []
+        for r, u in self._iter:
+            r.remaining -= u
+            self.queued_tokens -= u
+            self.queued_s -= r.pred_s * u / r.uncached
+            if r.remaining == 0:
+                finished.append(r)
+        if finished:
+            self.running = [r for r in self.running if r.remaining > 0]
+        if not self.running and not self.queue:
+            self.queued_s, self.queued_tokens = 0.0, 0  # no float drift across idle periods
+        for r in finished:
+            self._complete_prefill(r, now)
+        self._next_prefill(now)
+        self.env.changed(self)
+
+    def _complete_prefill(self, req: SimRequest, now: float) -> None:
+        h, c, kv = req.hashes, req.cached_blocks, self.kv
+        kv.store(h[c:], h[c - 1] if c else None, PIN_TIME)
+        kv.reserved -= req.res_p
+        req.res_p = 0
+        kv.pinned += len(h) - c
+        req.pin_p += len(h) - c
+        req.prefill_done = now
+        self.env.prefilled(req)
+
+    def release(self, req: SimRequest, now: float) -> None:
+        """The request's KV has left this prefill node: unpin its prompt."""
+        self.kv.unpin(req.hashes, now)
+        self.kv.pinned -= req.pin_p
+        req.pin_p = 0
+        self.kick(now)
+
+    def kick(self, now: float) -> None:
+        """KV was released: a head waiting for it may now be admitted."""
+        if self.phase == "prefill" and not self.busy and self.queue:
+            self._next_prefill(now)
+        self.env.changed(self)
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def offer(self, req: SimRequest, now: float) -> bool:
+        """A prefilled request asks for this decode node: admitted (the caller starts the
+        transfer) or queued until its KV fits."""
+        req.decode_node = self.id
+        if self.waiting or not self._admit_decode(req, now):
+            self.waiting.append(req)
+            return False
+        return True
+
+    def _admit_decode(self, req: SimRequest, now: float) -> bool:
+        h = req.hashes
+        h_d = self.directory.match(h).nodes.get(self.id, (0, 0))[0] if h else 0
+        need = blocks_for(req.prompt_tokens + req.output_tokens, self.s.block_size) - h_d
+        if not self._reserve_pinned(h, h_d, need, now):
+            return False
+        req.pin_d, req.res_d, req.h_d = h_d, need, h_d
+        self.inbound += 1
+        return True
+
+    def admit_waiting(self, now: float) -> None:
+        while self.waiting and self.state != "down" and self._admit_decode(self.waiting[0], now):
+            self.env.start_transfer(self.waiting.popleft())
+
+    def take_waiting(self) -> list[SimRequest]:
+        out = list(self.waiting)
+        self.waiting.clear()
+        return out
+
+    def arrive(self, req: SimRequest, now: float) -> None:
+        """The request's KV is here: it joins the batch (after the span in flight, if any)."""
+        h, hd, kv = req.hashes, req.h_d, self.kv
+        kv.store(h[hd:], h[hd - 1] if hd else None, PIN_TIME)
+        moved = len(h) - hd
+        kv.reserved -= moved
+        req.res_d -= moved
+        kv.pinned += moved
+        req.pin_d += moved
+        self.inbound -= 1
+        req.context = req.prompt_tokens + 1
+        req.left = req.output_tokens - 1
+        if req.left <= 0:
+            self._finish(req, now)
+            self.env.changed(self)
+            return
+        if self.in_span:
+            start, k, dt, c = self._span
+            done = int((now - start) / dt) + 1  # iterations finished at the next boundary
+            if done < k:
+                self._span = (start, done, dt, c)
+                self._token += 1
+                self.env.at(start + done * dt, self._span_done, self._token)
+            self.joining.append(req)
+        else:
+            self.batch.append(req)
+            self._start_span(now)
+
+    def _start_span(self, now: float) -> None:
+        if self.joining:
+            self.batch.extend(self.joining)
+            self.joining.clear()
+        batch = self.batch
+        if not batch:
+            self.in_span = False
+            return
+        b = len(batch)
+        k = min(self.s.span_cap, min(r.left for r in batch))
+        context = sum(r.context for r in batch) + b * (k - 1) / 2
+        dt = self.env.truth.decode_time(b, int(context))
+        self._span = (now, k, dt, context)
+        self.in_span = True
+        self._token += 1
+        self.env.at(now + k * dt, self._span_done, self._token)
+
+    def _span_done(self, token: int) -> None:
+        if token != self._token:
+            return  # a span cut short by an arrival: its later end was rescheduled
+        now = self._now()
+        _, k, dt, context = self._span
+        batch = self.batch
+        self.env.observe_decode(len(batch), int(context), dt)
+        self.env.span_done(len(batch), k, k * dt, context)
+        done: list[SimRequest] = []
+        for r in batch:
+            r.left -= k
+            r.context += k
+            if r.left <= 0:
+                done.append(r)
+        if done:
+            self.batch = [r for r in batch if r.left > 0]
+        self.in_span = False
+        for r in done:
+            self._finish(r, now)
+        self._start_span(now)
+        self.env.changed(self)
+
+    def _finish(self, req: SimRequest, now: float) -> None:
+        """Decode done: the prompt and the response stay cached here for the next turn."""
+        h, kv = req.hashes, self.kv
+        n = len(h)
+        kv.unpin(h, now)
+        if n:
+            nxt = self.env.next_hashes(req)
+            end = (req.prompt_tokens + req.output_tokens) // self.s.block_size
+            if nxt is not None and len(nxt) > n and nxt[n - 1] == h[n - 1] and end > n:
+                req.out_hashes = nxt[n:end]
+                kv.parents.register(h + req.out_hashes)
+                kv.store(req.out_hashes, h[n - 1], now)
+        kv.reserved -= req.res_d
+        kv.pinned -= req.pin_d
+        req.res_d = req.pin_d = 0
+        kv.fit(now)
+        req.done = now
+        self.env.decoded(req)
+        self.admit_waiting(now)  # its KV is free: the next waiting request may fit
+
+    def _now(self) -> float:
+        return self.env.now

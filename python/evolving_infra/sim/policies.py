@@ -1,0 +1,167 @@
+"""The policies a run compares (docs/simulator.md, "Policies"): routing, planner and KV handling.
+
+| name | router | planner | eviction | shared pool | prefetch |
+|---|---|---|---|---|---|
+| `evolving` | `routing.evolving` | `planner.evolving` | branch-aware | yes | yes |
+| `dynamo` | `routing.dynamo` | `planner.dynamo` | LRU | no | no |
+| `arrow` | `routing.least_loaded` | `planner.arrow` | LRU | yes | no |
+| `static:xPyD` | as `evolving` | none (fixed split) | as `evolving` |  |  |
+
+`best-static` is not a policy but a comparison: every split run as `static` (`run.compare`).
+
+The switch mode comes with the planner (`Planner.switch_mode`). Policy classes are imported
+inside the factories: the simulator imports without them, and a test may hand in its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from evolving_infra.planner.base import Planner, Split
+from evolving_infra.routing.base import Router
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.timing.model import IterationModel
+
+Eviction = Literal["branch-aware", "lru"]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What a factory may build a router or planner from."""
+
+    nodes: int
+    block_size: int
+    config: SimConfig
+    model: IterationModel  # the cluster's fitted iteration model (the policies' view)
+
+
+RouterFactory = Callable[[PolicyContext], Router]
+PlannerFactory = Callable[[PolicyContext], Planner]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """One policy: its router and planner factories and how it treats KV.
+
+    - `eviction`: the directory's order is branch-aware exactly when branches are registered,
+      so `branch-aware` requires `branch_counts` and `lru` forbids it;
+    - `shared_pool`: a prefill may read blocks any node holds (another node's L1 over the
+      network, any L2: the pool); without it only its own L1 and L2;
+    - `prefetch`: blocks outside L1 are fetched while the request waits in the prefill queue;
+    - `split`: the starting split (None: `SimConfig.split()`); `planner` None keeps it.
+    """
+
+    name: str
+    router: RouterFactory
+    planner: PlannerFactory | None
+    eviction: Eviction
+    shared_pool: bool
+    prefetch: bool
+    branch_counts: bool
+    split: Split | None = None
+
+    def __post_init__(self) -> None:
+        if (self.eviction == "branch-aware") != self.branch_counts:
+            raise ValueError(
+                f"policy {self.name!r}: eviction {self.eviction!r} with branch_counts="
+                f"{self.branch_counts}: the directory's order counts branches exactly when they"
+                " are registered"
+            )
+
+
+def _evolving_router(ctx: PolicyContext) -> Router:
+    from evolving_infra.routing.evolving import EvolvingRouter
+
+    c = ctx.config
+    return EvolvingRouter(
+        ctx.model,
+        block_size=ctx.block_size,
+        kv_bytes_per_token=c.kv_bytes_per_token,
+        l2_bandwidth=c.l2_bandwidth,
+        pool_bandwidth=c.pool_bandwidth,
+    )
+
+
+def _dynamo_router(ctx: PolicyContext) -> Router:
+    from evolving_infra.routing.dynamo import DynamoRouter
+
+    return DynamoRouter(block_size=ctx.block_size)
+
+
+def _least_loaded_router(ctx: PolicyContext) -> Router:
+    from evolving_infra.routing.least_loaded import LeastLoadedRouter
+
+    return LeastLoadedRouter(block_size=ctx.block_size)
+
+
+def _evolving_planner(ctx: PolicyContext) -> Planner:
+    from evolving_infra.planner.evolving import EvolvingPlanner
+
+    return EvolvingPlanner(ctx.nodes, chunk_tokens=ctx.config.chunk_tokens)
+
+
+def _dynamo_planner(ctx: PolicyContext) -> Planner:
+    from evolving_infra.planner.dynamo import DynamoPlanner
+
+    return DynamoPlanner(chunk_tokens=ctx.config.chunk_tokens)
+
+
+def _arrow_planner(ctx: PolicyContext) -> Planner:
+    from evolving_infra.planner.arrow import ArrowPlanner
+
+    return ArrowPlanner()
+
+
+def parse_split(text: str) -> Split:
+    """'3P5D' -> Split(3, 5)."""
+    from evolving_infra.planner.static import parse_split as parse
+
+    return parse(text)
+
+
+def static(split: Split, name: str | None = None) -> PolicySpec:
+    """`static:xPyD`: the evolving router and KV handling on a fixed split."""
+
+    def planner(ctx: PolicyContext) -> Planner:
+        from evolving_infra.planner.static import StaticPlanner
+
+        return StaticPlanner(split)
+
+    return PolicySpec(
+        name=name or f"static:{split}",
+        router=_evolving_router,
+        planner=planner,
+        eviction="branch-aware",
+        shared_pool=True,
+        prefetch=True,
+        branch_counts=True,
+        split=split,
+    )
+
+
+EVOLVING = PolicySpec(
+    "evolving", _evolving_router, _evolving_planner, "branch-aware", True, True, True
+)
+DYNAMO = PolicySpec("dynamo", _dynamo_router, _dynamo_planner, "lru", False, False, False)
+ARROW = PolicySpec("arrow", _least_loaded_router, _arrow_planner, "lru", True, False, False)
+NAMED = {p.name: p for p in (EVOLVING, DYNAMO, ARROW)}
+
+
+def policy(name: str, nodes: int) -> PolicySpec:
+    """The named policy (`evolving`, `dynamo`, `arrow` or `static:xPyD` on `nodes` nodes)."""
+    if name.startswith("static:"):
+        split = parse_split(name.removeprefix("static:"))
+        if split.prefill + split.decode != nodes or split.prefill < 1 or split.decode < 1:
+            raise ValueError(f"{name} is not a split of {nodes} nodes with both phases")
+        return static(split)
+    if name not in NAMED:
+        known = ", ".join([*NAMED, "static:xPyD", "best-static"])
+        raise ValueError(f"unknown policy {name!r} (known: {known})")
+    return NAMED[name]
+
+
+def static_splits(nodes: int) -> list[Split]:
+    """Every split with both phases: what `best-static` runs."""
+    return [Split(p, nodes - p) for p in range(1, nodes)]

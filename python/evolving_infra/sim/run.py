@@ -1,0 +1,198 @@
+"""Running policies on a trace: `simulate` one, `compare` several (JSON-ready results).
+
+`compare` expands `best-static` into every split run as `static:xPyD` and reports the one with
+the highest throughput (and every split's throughput under `splits`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from evolving_infra.sim.cluster import Cluster, RunStats
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.metrics import Point
+from evolving_infra.sim.planning import SwitchLog
+from evolving_infra.sim.policies import PolicySpec, policy, static, static_splits
+from evolving_infra.workloads.model import Trace
+
+BEST_STATIC = "best-static"
+Tick = Callable[[float], None]
+
+
+@dataclass(slots=True)
+class Result:
+    """One policy's run."""
+
+    policy: str
+    summary: dict[str, Any]
+    timeline: list[Point]
+    switches: list[SwitchLog]
+    stats: RunStats
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures, timeline and switches: everything but the simulator's own speed, so
+        that one seed gives one JSON (`runtime` holds the speed)."""
+        return {
+            **self.summary,
+            **self.extra,
+            "timeline": [asdict(p) for p in self.timeline],
+            "switch_log": [asdict(s) for s in self.switches],
+        }
+
+    def runtime(self) -> dict[str, Any]:
+        s = self.stats
+        sim = self.summary["duration_s"]
+        return {
+            "events": s.events,
+            "wall_s": s.wall_s,
+            "events_per_s": s.events / s.wall_s if s.wall_s > 0 else None,
+            "simulated_s_per_wall_s": sim / s.wall_s if s.wall_s > 0 else None,
+        }
+
+
+def simulate(trace: Trace, config: SimConfig, spec: PolicySpec, tick: Tick | None = None) -> Result:
+    """Runs one policy on `trace`; `tick(now)` is called once per simulated second."""
+    cluster = Cluster(trace, config, spec)
+    end = cluster.run(tick)
+    switches = cluster.switcher.log if cluster.switcher is not None else []
+    summary = cluster.metrics.summary(end, switches)
+    kv = [n.kv for n in cluster.nodes]
+    extra = {
+        "evicted_blocks": sum(k.evicted for k in kv),
+        "demoted_blocks": sum(k.demoted for k in kv),
+        "dropped_blocks": sum(k.dropped for k in kv),
+        "final_split": str(cluster.switcher.split()) if cluster.switcher else None,
+    }
+    return Result(spec.name, summary, cluster.metrics.timeline, switches, cluster.stats, extra)
+
+
+def compare(
+    trace: Trace,
+    config: SimConfig,
+    policies: Sequence[str | PolicySpec],
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Every policy on the same trace and cluster: `{"policies": {name: figures}, "config":
+    {...}, "trace": {...}, "runtime": {run: speed}}`, JSON-ready (per-minute timelines under
+    each policy). Everything but `runtime` is a function of the inputs and the seed."""
+    block_size = config.block_size or trace.block_size
+    out: dict[str, Any] = {
+        "policies": {},
+        "config": config.to_dict(block_size),
+        "trace": {
+            "name": trace.name,
+            "agents": len(trace.agents),
+            "requests": trace.request_count,
+            "block_size": trace.block_size,
+        },
+        "runtime": {},
+    }
+    runs: list[tuple[str, PolicySpec]] = []
+    for p in policies:
+        if isinstance(p, PolicySpec):
+            runs.append((p.name, p))
+        elif p == BEST_STATIC:
+            runs.extend((BEST_STATIC, static(s)) for s in static_splits(config.nodes))
+        else:
+            runs.append((p, policy(p, config.nodes)))
+    horizon = config.duration
+    statics: dict[str, Result] = {}
+    with _bar(progress, len(runs), horizon) as bar:
+        for label, spec in runs:
+            result = simulate(trace, config, spec, bar(spec.name))
+            out["runtime"][spec.name] = result.runtime()
+            if label == BEST_STATIC:
+                statics[spec.name] = result
+            else:
+                out["policies"][label] = result.to_dict()
+    if statics:
+        best = max(statics.values(), key=lambda r: r.summary["throughput_tokens_per_s"])
+        figures = best.to_dict()
+        figures["split"] = best.policy.removeprefix("static:")
+        figures["splits"] = {
+            name.removeprefix("static:"): r.summary["throughput_tokens_per_s"]
+            for name, r in statics.items()
+        }
+        out["policies"][BEST_STATIC] = figures
+    return out
+
+
+@contextmanager
+def _bar(enabled: bool, runs: int, horizon: float | None) -> Iterator[Callable[[str], Tick]]:
+    """A rich progress bar on stderr (TTY only): one task per run, in simulated seconds."""
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield lambda name: _noop
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} s simulated"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+
+        def make(name: str) -> Tick:
+            task = bar.add_task(name, total=horizon or None)
+            last = [0.0]
+
+            def tick(now: float) -> None:
+                if now - last[0] >= 10.0:
+                    last[0] = now
+                    bar.update(task, completed=now)
+
+            return tick
+
+        yield make
+
+
+def _noop(now: float) -> None:
+    pass
+
+
+def main_table(results: dict[str, Any]) -> str:
+    """A Markdown table of the headline figures of `compare`'s results."""
+    cols = [
+        ("policy", None),
+        ("tokens/s", "throughput_tokens_per_s"),
+        ("req/s", "requests_per_s"),
+        ("mean e2e s", "mean_e2e_s"),
+        ("P50 TTFT s", "p50_ttft_s"),
+        ("P95 TTFT s", "p95_ttft_s"),
+        ("P99 TTFT s", "p99_ttft_s"),
+        ("ITL ms", "mean_itl_s"),
+        ("h", "hit_rate"),
+        ("h*", "ideal_hit_rate"),
+        ("lost reuse", "lost_kv_reuse"),
+        ("switches", "switches"),
+        ("done/issued", None),
+    ]
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for name, f in results["policies"].items():
+        label = f"{name} ({f['split']})" if "split" in f else name
+        cells = [label]
+        for _, key in cols[1:]:
+            if key is None:
+                cells.append(f"{f['completed']}/{f['issued']}")
+                continue
+            v = f.get(key)
+            if v is None:
+                cells.append("-")
+            elif key == "mean_itl_s":
+                cells.append(f"{v * 1e3:.1f}")
+            elif isinstance(v, int):
+                cells.append(str(v))
+            elif key in ("hit_rate", "ideal_hit_rate", "lost_kv_reuse"):
+                cells.append(f"{v:.3f}")
+            else:
+                cells.append(f"{v:,.3g}" if v < 1000 else f"{v:,.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,82 @@
+"""`evolving-infra sim`: arguments, the files it writes, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.sim import command
+from evolving_infra.workloads import jsonl
+from evolving_infra.workloads.errors import WorkloadError
+from evolving_infra.workloads.generators import SlotPlan, generate
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_writes_results_table_and_timelines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    args = parse(
+        *("--workload", "osworld", "--gpus", "12", "--agents", "3", "--duration", "240"),
+        *("--policies", "evolving,dynamo,arrow,best-static", "--out", str(out), "--no-progress"),
+    )
+    assert command.run(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["policies"]) == {"evolving", "dynamo", "arrow", "best-static"}
+    for figures in results["policies"].values():
+        for key in (
+            "throughput_tokens_per_s",
+            "requests_per_s",
+            "mean_e2e_s",
+            "p95_ttft_s",
+            "hit_rate",
+            "ideal_hit_rate",
+            "lost_kv_reuse",
+            "switches",
+        ):
+            assert key in figures
+        assert figures["timeline"]
+    assert results["config"]["nodes"] == 3
+    assert results["policies"]["best-static"]["split"] in ("1P2D", "2P1D")
+    table = (out / "results.md").read_text()
+    assert "| best-static (" in table
+    assert "| evolving |" in capsys.readouterr().out
+    for name in ("throughput", "hit_rate", "split"):
+        assert (out / f"timeline_{name}.png").stat().st_size > 1000
+
+
+def test_runs_on_trace_files(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    jsonl.save(generate("putnam", SlotPlan(agents=2, duration=120, seed=1)), path)
+    args = parse(
+        *("--trace", str(path), "--gpus", "8", "--agents", "2", "--duration", "120"),
+        *("--policies", "static:1P1D", "--out", str(tmp_path / "o"), "--no-progress"),
+    )
+    assert command.run(args) == 0
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert results["policies"]["static:1P1D"]["issued"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--policies", "nope"), "unknown policy"),
+        (("--policies", "static:2P2D"), "not a split"),
+        (("--gpus", "6"), "multiple of tp"),
+    ],
+)
+def test_bad_arguments_are_workload_errors(
+    tmp_path: Path, argv: tuple[str, ...], message: str
+) -> None:
+    args = parse(*("--gpus", "8", "--agents", "1", "--duration", "60"), *argv)
+    args.out = tmp_path
+    with pytest.raises(WorkloadError, match=message):
+        command.run(args)

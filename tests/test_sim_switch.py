@@ -1,0 +1,109 @@
+"""Phase switches: drain, then down for the switch time, KV kept or cleared as the mode says."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+
+from evolving_infra.planner.base import SliceStats, Split, SwitchMode
+from evolving_infra.sim.cluster import Cluster
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.policies import PolicyContext, static
+from evolving_infra.timing.model import IterationModel
+from evolving_infra.workloads.generators import SlotPlan, generate
+
+
+class OneSwitch:
+    """Asks once, at `when`, for `target`; counts `switch_done` calls."""
+
+    name = "one-switch"
+    interval = 10.0
+
+    def __init__(self, mode: SwitchMode, target: Split, when: float = 30.0) -> None:
+        self.switch_mode: SwitchMode = mode
+        self.target = target
+        self.when = when
+        self.asked = False
+        self.done = 0
+        self.windows: list[int] = []
+
+    def decide(
+        self, now: float, split: Split, window: Sequence[SliceStats], model: IterationModel
+    ) -> Split | None:
+        self.windows.append(len(window))
+        if not self.asked and now >= self.when:
+            self.asked = True
+            return self.target
+        return None
+
+    def switch_done(self) -> None:
+        self.done += 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "down_s", "keeps"),
+    [("restart", 700.0, False), ("in-place-drop", 6.2, False), ("in-place-keep", 6.2, True)],
+)
+def test_switch_modes(mode: SwitchMode, down_s: float, keeps: bool) -> None:
+    trace = generate("cc", SlotPlan(agents=4, duration=300, seed=3))
+    planner = OneSwitch(mode, Split(1, 3))
+
+    def make(ctx: PolicyContext) -> OneSwitch:
+        return planner
+
+    spec = replace(static(Split(2, 2)), name="one-switch", planner=make)
+    cluster = Cluster(trace, SimConfig(gpus=16, duration=1200, seed=1), spec)
+    seen_down: list[tuple[float, int, bool]] = []
+
+    def check() -> None:
+        for n in cluster.nodes:
+            if n.state == "down":
+                # Unavailable: nothing routed to it, nothing runs on it.
+                assert not n.accepting
+                for work in (n.queue, n.running, n.batch, n.joining, n.waiting):
+                    assert not work
+                assert n.inbound == 0
+                holds = bool(cluster.directory.eviction_order(n.id, "L1", 1))
+                seen_down.append((cluster.now, n.kv.l1_held, holds))
+
+    cluster.run(check=check)
+    assert cluster.switcher is not None
+    log = cluster.switcher.log
+    assert len(log) == 1
+    s = log[0]
+    assert s.requested == pytest.approx(30.0)
+    assert s.drained >= s.requested
+    assert s.up - s.drained == pytest.approx(down_s)
+    assert seen_down, "the node was never seen down"
+    assert all(s.drained <= t <= s.up for t, _, _ in seen_down)
+    node = cluster.nodes[s.node]
+    assert node.phase == "decode"
+    assert node.state == "active"
+    assert cluster.switcher.split() == Split(1, 3)
+    assert planner.done == 1
+    if keeps:
+        assert all(held > 0 and holds for _, held, holds in seen_down)
+    else:
+        assert all(held == 0 and not holds for _, held, holds in seen_down)
+    summary = cluster.metrics.summary(1200.0, log)
+    assert summary["switches"] == 1
+    assert summary["switch_down_s"] == pytest.approx(down_s)
+    assert max(planner.windows) <= 600 / planner.interval + 1  # a 10-minute window of slices
+
+
+def test_a_target_while_switching_is_refused_and_reported_done() -> None:
+    trace = generate("cc", SlotPlan(agents=2, duration=120, seed=3))
+    planner = OneSwitch("restart", Split(3, 1))
+    cluster = Cluster(
+        trace,
+        SimConfig(gpus=16, duration=60),
+        replace(static(Split(2, 2)), planner=lambda ctx: planner),
+    )
+    assert cluster.switcher is not None
+    assert cluster.switcher.request(Split(3, 1), 0.0)
+    assert not cluster.switcher.request(Split(1, 3), 0.0)  # one in flight: refused...
+    assert planner.done == 1  # ...and the planner hears it is over
+    with pytest.raises(ValueError, match="not a split"):
+        cluster.switcher.request(Split(4, 1), 0.0)
