@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 NATIVE := $(VENV)/.native
 
 .DEFAULT_GOAL := help
-.PHONY: help venv build demo test test-rust test-py lint fmt bench bench-rust bench-py bench-dynamo clean
+.PHONY: help venv build demo demo-directory test test-rust test-py lint fmt bench bench-rust bench-py bench-dynamo clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -31,7 +31,11 @@ $(NATIVE): $(STAMP) Cargo.toml rust/kvdir/Cargo.toml rust/kvdir-py/Cargo.toml $(
 
 build: $(NATIVE) ## build the Rust extension (release) into .venv
 
-demo: build ## replay the bundled Claude Code traces into the KV directory; print per-node hit rates
+demo: build ## 36 simulated GPUs serving the bundled Claude Code sessions: evolving vs dynamo vs best-static (~2 min)
+	$(VENV)/bin/evolving-infra sim --trace data/traces/claude-code --gpus 36 --agents 40 \
+		--duration 1800 --policies evolving,dynamo,best-static --seed 0 --out out/demo
+
+demo-directory: build ## replay the bundled Claude Code traces into the KV directory alone; per-node hit rates
 	$(VENV)/bin/evolving-infra demo
 
 test: lint test-rust test-py ## everything CI runs: lint (clippy, stubtest, mypy, ruff), cargo tests, pytest
