@@ -14,7 +14,6 @@ Decode: the accepting decode node with the most free KV blocks that can hold the
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
@@ -23,12 +22,11 @@ from evolving_infra._core import KvDirectory
 from evolving_infra.routing.base import NodeLoad, RouteRequest
 from evolving_infra.routing.common import candidates, most_free_decode
 from evolving_infra.timing.model import IterationModel
-from evolving_infra.timing.samples import TimingError
 from evolving_infra.timing.ttft import (
-    BANDWIDTH_EWMA,
     DEFAULT_L2_BANDWIDTH,
     DEFAULT_POOL_BANDWIDTH,
     TTFTPredictor,
+    observe_bandwidth,
 )
 
 # Distinct prefill node sets kept: the set changes only at a phase switch or a node going down,
@@ -87,14 +85,7 @@ class EvolvingRouter:
     def observe_fetch(self, path: Literal["l2", "pool"], nbytes: int, seconds: float) -> None:
         """A measured L2 (`l2`) or shared-pool (`pool`) to GPU transfer: same moving average as
         `TTFTPredictor.observe_fetch`, applied to the estimate every predictor shares."""
-        if path not in self.bandwidth:
-            raise TimingError(f"unknown fetch path {path!r} (l2 or pool)")
-        if nbytes <= 0 or not math.isfinite(seconds) or seconds <= 0:
-            raise TimingError(
-                f"a transfer needs bytes > 0 and seconds > 0, got {nbytes}, {seconds}"
-            )
-        bw = self.bandwidth[path]
-        self.bandwidth[path] = (1 - BANDWIDTH_EWMA) * bw + BANDWIDTH_EWMA * (nbytes / seconds)
+        observe_bandwidth(self.bandwidth, path, nbytes, seconds)
 
     def _predictor(self, key: tuple[int, ...]) -> TTFTPredictor:
         pred = self._predictors.get(key)

@@ -12,11 +12,10 @@ from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.plots import timelines
 from evolving_infra.sim.run import BEST_STATIC, compare, main_table
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
-from evolving_infra.workloads import generators, stats
+from evolving_infra.workloads import generators
 from evolving_infra.workloads.errors import WorkloadError
-from evolving_infra.workloads.importers import claude_code_trace
 from evolving_infra.workloads.model import Trace
-from evolving_infra.workloads.sampling import sample_agents
+from evolving_infra.workloads.sampling import load_pool, sample_agents
 
 NAME = "sim"
 HELP = "compare routing/planner policies on a simulated PD-disaggregated cluster"
@@ -79,23 +78,7 @@ def load_trace(args: argparse.Namespace) -> Trace:
     plan = generators.SlotPlan(agents=args.agents, duration=args.duration, seed=args.seed)
     if not args.trace:
         return generators.generate(args.workload, plan)
-    files = stats.find_files(args.trace)
-    if not files:
-        raise FileNotFoundError(f"no trace files in {', '.join(map(str, args.trace))}")
-    traces = []
-    for path in files:
-        _, loaded = stats.load_file(path)
-        traces.append(loaded if isinstance(loaded, Trace) else claude_code_trace([loaded]))
-    sizes = {t.block_size for t in traces}
-    if len(sizes) > 1:
-        raise WorkloadError(f"cannot mix traces of different block sizes {sorted(sizes)}")
-    pool = Trace(
-        name="+".join(sorted({t.name for t in traces})),
-        block_size=sizes.pop(),
-        agents=tuple(a for t in traces for a in t.agents),
-        prefixes={k: v for t in traces for k, v in t.prefixes.items()},
-    )
-    return sample_agents(pool, plan)
+    return sample_agents(load_pool(args.trace), plan)
 
 
 def run(args: argparse.Namespace) -> int:

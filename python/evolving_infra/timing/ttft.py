@@ -40,6 +40,18 @@ DEFAULT_POOL_BANDWIDTH = 25e9
 BANDWIDTH_EWMA = 0.2
 
 
+def observe_bandwidth(
+    bandwidth: dict[str, float], path: Literal["l2", "pool"], nbytes: int, seconds: float
+) -> None:
+    """Moves the estimate of `path` in `bandwidth` toward one measured transfer (an EWMA)."""
+    if path not in bandwidth:
+        raise TimingError(f"unknown fetch path {path!r} (l2 or pool)")
+    if nbytes <= 0 or not math.isfinite(seconds) or seconds <= 0:
+        raise TimingError(f"a transfer needs bytes > 0 and seconds > 0, got {nbytes}, {seconds}")
+    bw = bandwidth[path]
+    bandwidth[path] = (1 - BANDWIDTH_EWMA) * bw + BANDWIDTH_EWMA * (nbytes / seconds)
+
+
 class TTFTPredictor:
     """Per-node TTFT for a request, from a directory match, queue drain times and the model."""
 
@@ -79,14 +91,7 @@ class TTFTPredictor:
 
     def observe_fetch(self, path: Literal["l2", "pool"], nbytes: int, seconds: float) -> None:
         """A measured transfer of `nbytes` from L2 (`l2`) or the shared pool (`pool`) to GPU."""
-        if path not in self.bandwidth:
-            raise TimingError(f"unknown fetch path {path!r} (l2 or pool)")
-        if nbytes <= 0 or not math.isfinite(seconds) or seconds <= 0:
-            raise TimingError(
-                f"a transfer needs bytes > 0 and seconds > 0, got {nbytes}, {seconds}"
-            )
-        bw = self.bandwidth[path]
-        self.bandwidth[path] = (1 - BANDWIDTH_EWMA) * bw + BANDWIDTH_EWMA * (nbytes / seconds)
+        observe_bandwidth(self.bandwidth, path, nbytes, seconds)
 
     def predict(self, match: PrefixMatch, prompt_tokens: int) -> FloatArray:
         """Predicted TTFT in seconds on each candidate node, aligned with `nodes`."""

@@ -17,10 +17,10 @@ from rich.table import Table
 from evolving_infra.argtypes import positive_int, positive_seconds
 from evolving_infra.workloads import generators, jsonl, stats
 from evolving_infra.workloads.claude_code import find_trace_files, load_conversation
-from evolving_infra.workloads.errors import TraceFormatError, WorkloadError
+from evolving_infra.workloads.errors import TraceFormatError
 from evolving_infra.workloads.importers import claude_code_trace, mooncake_trace
 from evolving_infra.workloads.model import Trace
-from evolving_infra.workloads.sampling import sample_agents
+from evolving_infra.workloads.sampling import load_pool, sample_agents
 
 NAME = "trace"
 HELP = "statistics, validation, import and generation of workload traces"
@@ -346,25 +346,8 @@ def _gen(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    files = _files(args.paths)
-    if not files:
-        raise FileNotFoundError(f"no trace files in {', '.join(map(str, args.paths))}")
     plan = generators.SlotPlan(agents=args.agents, duration=args.duration, seed=args.seed)
-    traces = []
-    for path in files:
-        _, loaded = stats.load_file(path)
-        traces.append(loaded if isinstance(loaded, Trace) else claude_code_trace([loaded]))
-    sizes = {t.block_size for t in traces}
-    if len(sizes) > 1:
-        raise WorkloadError(f"cannot draw from traces of different block sizes {sorted(sizes)}")
-    pool = Trace(
-        name="+".join(sorted({t.name for t in traces})),
-        block_size=sizes.pop(),
-        # Ids may repeat across files; every drawn session is renamed, so that is harmless.
-        agents=tuple(a for t in traces for a in t.agents),
-        prefixes={k: v for t in traces for k, v in t.prefixes.items()},
-    )
-    _write(sample_agents(pool, plan), args.output)
+    _write(sample_agents(load_pool(args.paths), plan), args.output)
     return 0
 
 

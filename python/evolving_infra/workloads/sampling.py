@@ -10,7 +10,9 @@ declared shared prefix: the cluster sees N different agents, not one agent N tim
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from evolving_infra.workloads.errors import WorkloadError
 from evolving_infra.workloads.generators.common import SlotPlan, slot_agents
@@ -48,3 +50,28 @@ def sample_agents(source: Trace, plan: SlotPlan, *, name: str | None = None) -> 
     )
     validate(trace)
     return trace
+
+
+def load_pool(paths: Sequence[Path]) -> Trace:
+    """One trace of every agent in the given files and folders (trace files, raw Claude Code
+    files, Mooncake traces), to draw sessions from; they must share one block size."""
+    from evolving_infra.workloads import stats  # stats reads every format; it imports us not
+    from evolving_infra.workloads.importers import claude_code_trace
+
+    files = stats.find_files(paths)
+    if not files:
+        raise FileNotFoundError(f"no trace files in {', '.join(map(str, paths))}")
+    traces = []
+    for path in files:
+        _, loaded = stats.load_file(path)
+        traces.append(loaded if isinstance(loaded, Trace) else claude_code_trace([loaded]))
+    sizes = {t.block_size for t in traces}
+    if len(sizes) > 1:
+        raise WorkloadError(f"cannot draw from traces of different block sizes {sorted(sizes)}")
+    return Trace(
+        name="+".join(sorted({t.name for t in traces})),
+        block_size=sizes.pop(),
+        # Ids may repeat across files; every drawn session is renamed, so that is harmless.
+        agents=tuple(a for t in traces for a in t.agents),
+        prefixes={k: v for t in traces for k, v in t.prefixes.items()},
+    )
