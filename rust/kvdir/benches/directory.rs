@@ -17,10 +17,6 @@
 //! Run: `cargo bench -p kvdir --bench directory` (or `make bench-rust`). Memory per block of the
 //! built directory is printed before the measurements.
 
-// The allocator the Python module uses (`rust/kvdir-py/src/lib.rs`), so figures match it.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 use std::cell::RefCell;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
