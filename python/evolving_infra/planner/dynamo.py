@@ -1,7 +1,7 @@
 """The `dynamo` planner: NVIDIA Dynamo's reactive planner, ±1 node per interval, restart switch.
 
-Source: `../shared/notes/dynamo-kv-router.md` §6 (Dynamo `docs/components/planner/
-planner-guide.md`, commit 092029ef…; `docs/design-docs/planner-design.md`, commit 320e674b…).
+Source: ai-dynamo/dynamo `docs/components/planner/planner-guide.md` (commit 092029ef…) and
+`docs/design-docs/planner-design.md` (commit 320e674b…) (the project's notes on Dynamo, §6).
 
 `mode="load"` (the default): Dynamo's load-based scaling (PRs #6145, #7351), every 5 s:
 - estimated TTFT = the prefill nodes' queue drain time + a predicted (chunked) prefill of the

@@ -1,7 +1,7 @@
 """The `dynamo` router: NVIDIA Dynamo's KV-router cost, lowest wins (temperature 0).
 
-Source: `../shared/notes/dynamo-kv-router.md` §2.7 (Dynamo `docs/components/router/
-router-concepts.md`, commit 03037af0…, and the 1.6.1 wheel's `KvRouterConfig` defaults), with
+Source: ai-dynamo/dynamo `docs/components/router/router-concepts.md` (commit 03037af0…) and the
+1.6.1 wheel's `KvRouterConfig` defaults (the project's notes on Dynamo's router, §2.7), with
 the block arithmetic of `lib/kv-router/src/scheduling/selector.rs` (prefill load in tokens
 divided by the block size as a float; the request's own blocks rounded up, `isl.div_ceil`):
 
