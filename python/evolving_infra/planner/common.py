@@ -12,15 +12,13 @@ from dataclasses import dataclass
 
 from evolving_infra.planner.base import SliceStats, Split
 from evolving_infra.timing.model import IterationModel
-from evolving_infra.timing.specs import Deployment
+from evolving_infra.timing.specs import ACTIVATION_RESERVE_PER_GPU, MEM_FRACTION, Deployment
 
 # SGLang's default `chunked_prefill_size`: the token budget of one prefill iteration.
 CHUNK_TOKENS = 8192
 # Assumptions for a decode node's batch when nothing better is known: SGLang reserves ~10% of
 # HBM beyond weights and KV (`mem_fraction_static` ~0.9), a few GiB per GPU go to activations
 # and CUDA graphs, and the running batch is capped (`max_running_requests`).
-MEM_FRACTION = 0.9
-ACTIVATION_RESERVE_PER_GPU = 4 * 2**30
 MAX_DECODE_BATCH = 256
 
 

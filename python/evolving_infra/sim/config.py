@@ -14,14 +14,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from evolving_infra.planner.base import Split
-from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
+from evolving_infra.timing.specs import (
+    ACTIVATION_RESERVE_PER_GPU,
+    DEFAULT_DEPLOYMENT,
+    MEM_FRACTION,
+    Deployment,
+)
 from evolving_infra.timing.ttft import DEFAULT_L2_BANDWIDTH, DEFAULT_POOL_BANDWIDTH
 
-# SGLang's `mem_fraction_static` default (0.9 of HBM for weights and KV) and a few GiB per GPU
-# for activations and CUDA graphs: the same figures the planners size decode batches with
-# (planner/common.py), so the policies' view of capacity is the simulator's.
-MEM_FRACTION = 0.9
-ACTIVATION_RESERVE_PER_GPU = 4 * 2**30
 # 1 TiB of host memory per 8-GPU server (docs/simulator.md), shared pro rata by its nodes.
 HOST_MEMORY_PER_GPU = 2**40 / 8
 # Far-future last-access time: how a running request pins its blocks (see `kv.py`).
