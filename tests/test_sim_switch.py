@@ -107,3 +107,36 @@ def test_a_target_while_switching_is_refused_and_reported_done() -> None:
     assert planner.done == 1  # ...and the planner hears it is over
     with pytest.raises(ValueError, match="not a split"):
         cluster.switcher.request(Split(4, 1), 0.0)
+
+
+def test_a_draining_prefill_node_hands_its_queue_to_the_others() -> None:
+    """Queued, not-started prefills move to the other prefill nodes at once: the switch waits
+    only for the iterations already running, not for the whole queue."""
+    trace = generate("cc", SlotPlan(agents=60, duration=600, seed=5))
+    planner = OneSwitch("in-place-keep", Split(1, 3), when=120.0)
+    cluster = Cluster(
+        trace,
+        SimConfig(gpus=16, duration=400, seed=2),
+        replace(static(Split(2, 2)), name="one-switch", planner=lambda ctx: planner),
+    )
+    before: dict[int, int] = {}  # prefill queue lengths after the last event before the switch
+    queued_when_asked: list[int] = []
+
+    def check() -> None:
+        assert cluster.switcher is not None
+        if not cluster.switcher.in_flight and not queued_when_asked:
+            before.clear()
+            before.update((n.id, len(n.queue)) for n in cluster.nodes if n.phase == "prefill")
+        elif cluster.switcher.in_flight and not queued_when_asked:
+            queued_when_asked.extend(before[i] for i in cluster.switcher.in_flight)
+        for n in cluster.nodes:
+            if n.state == "draining" and n.phase == "prefill":
+                assert not n.queue  # handed back the moment draining began
+
+    cluster.run(check=check)
+    assert cluster.switcher is not None
+    [s] = cluster.switcher.log
+    assert queued_when_asked
+    assert queued_when_asked[0] >= 3, "the scenario must queue work on the switching node"
+    # Only the running chunked iterations remain: seconds, not the minutes of a long queue.
+    assert s.drained - s.requested < 20.0

@@ -109,7 +109,13 @@ class Cluster:
                 "restart": config.switch_restart_s,
             }[planner.switch_mode]
             self.switcher = Switcher(
-                self.nodes, planner, down, self.at, self._route_decode, self._retry_pending
+                self.nodes,
+                planner,
+                down,
+                self.at,
+                self._route_decode,
+                self._retry_pending,
+                self._route_prefill,
             )
         self.pending_prefill: deque[SimRequest] = deque()
         self.pending_decode: deque[SimRequest] = deque()
@@ -226,9 +232,12 @@ class Cluster:
         rr = RouteRequest(req.hashes, req.prompt_tokens, 0, req.key)
         p = self.router.choose_prefill(rr, self._loads("prefill"), self.directory)
         node = self._check(p, "prefill")
+        # A request a draining node handed back (placed before) is not a new arrival.
+        first = req.prefill_node < 0
         req.prefill_node = p
         u, c = node.enqueue(req, self.now)
-        self.slices.arrival(req.prompt_tokens, u, c)
+        if first:
+            self.slices.arrival(req.prompt_tokens, u, c)
 
     def _route_decode(self, req: SimRequest) -> None:
         if not any(n.accepting and n.phase == "decode" for n in self.nodes):

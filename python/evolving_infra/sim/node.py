@@ -353,6 +353,24 @@ class Node:
         self.waiting.clear()
         return out
 
+    def take_queued(self, now: float) -> list[SimRequest]:
+        """The prefill requests queued here and not started, released (their prefetch pins
+        undone): a draining node hands them to other nodes rather than working through them
+        first, which made a switch wait minutes behind a long queue."""
+        out = list(self.queue)
+        self.queue.clear()
+        for r in out:
+            if r.prefetched:
+                self.kv.unpin(r.hashes, now)
+                self.kv.pinned -= r.pin_p
+                r.pin_p = 0
+                r.prefetched = False
+            self.queued_s -= r.pred_s
+            self.queued_tokens -= r.uncached
+        if not self.running:
+            self.queued_s, self.queued_tokens = 0.0, 0  # no float drift once idle
+        return out
+
     def arrive(self, req: SimRequest, now: float) -> None:
         """The request's KV is here: it joins the batch (after the span in flight, if any)."""
         h, hd, kv = req.hashes, req.h_d, self.kv

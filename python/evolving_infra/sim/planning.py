@@ -114,6 +114,7 @@ class Switcher:
         at: Callable[[float, Callable[[Node], None], Node], None],
         reroute: Callable[[SimRequest], None],
         back: Callable[[], None],
+        reroute_prefill: Callable[[SimRequest], None],
     ) -> None:
         self.nodes = nodes
         self.planner = planner
@@ -121,6 +122,7 @@ class Switcher:
         self.down_s = down_s
         self._at = at
         self._reroute = reroute  # a decode node's waiting requests, sent elsewhere
+        self._reroute_prefill = reroute_prefill  # a prefill node's queued ones
         self._back = back  # a node is back: the cluster retries what waited for one
         self.in_flight: dict[int, SwitchLog] = {}
         self.log: list[SwitchLog] = []
@@ -153,6 +155,8 @@ class Switcher:
             node.drain_start = now
             for r in node.take_waiting():
                 self._reroute(r)
+            for r in node.take_queued(now):
+                self._reroute_prefill(r)
             self.check(node, now)
         return True
 
