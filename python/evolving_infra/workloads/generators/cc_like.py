@@ -279,7 +279,5 @@ def prefixes(params: Params) -> dict[str, int]:
 def generate(plan: SlotPlan, params: Params | None = None) -> Trace:
     """`plan.agents` slots of back-to-back Claude-Code-like sessions."""
     params = params or Params.default()
-    shared = prefixes(params)
-    prefix = (CLAUDE_CODE_PREFIX, shared[CLAUDE_CODE_PREFIX]) if shared else None
     meta = {"shared_prefix": params.shared_prefix, "params": json.loads(params.to_json())}
-    return one_workload(plan, NAME, session(params), prefix, meta, BLOCK_SIZE)
+    return one_workload(plan, NAME, session(params), prefixes(params), meta, BLOCK_SIZE)

@@ -254,23 +254,32 @@ def slot_agents(
     return agents
 
 
+def system_prefix(name: str, system_tokens: int, shared: bool, block_size: int) -> dict[str, int]:
+    """A generator's trace prefixes: its system prompt's full blocks as prefix `name`, when
+    the prompt is shared across sessions (and has a full block)."""
+    blocks = system_tokens // block_size
+    return {name: blocks} if shared and blocks else {}
+
+
 def one_workload(
     plan: SlotPlan,
     name: str,
     session: Session,
-    prefix: tuple[str, int] | None,
+    prefixes: Mapping[str, int],
     meta: Mapping[str, Any],
     block_size: int,
 ) -> Trace:
     """`fill_slots` for a generator of one workload, with at most one shared prefix."""
+    assert len(prefixes) <= 1, "one workload, one shared prefix at most"
+    prefix = next(iter(prefixes), None)
     return fill_slots(
         plan,
         workload=lambda _rng, _t: name,
         session=lambda _name: session,
         block_size=block_size,
         name=name,
-        prefixes=dict([prefix]) if prefix else {},
-        prefix_of=lambda _name: prefix[0] if prefix else None,
+        prefixes=prefixes,
+        prefix_of=lambda _name: prefix,
         meta={"generator": name, "seed": plan.seed, **meta},
     )
 

@@ -28,6 +28,7 @@ from evolving_infra.workloads.generators.common import (
     Session,
     SlotPlan,
     one_workload,
+    system_prefix,
 )
 from evolving_infra.workloads.model import Trace
 
@@ -84,8 +85,7 @@ class Params:
 
 def prefixes(params: Params) -> dict[str, int]:
     """The trace's shared prefixes: the system prompt's full blocks, when shared."""
-    blocks = params.system_tokens // BLOCK_SIZE
-    return {PREFIX: blocks} if params.shared_prefix and blocks else {}
+    return system_prefix(PREFIX, params.system_tokens, params.shared_prefix, BLOCK_SIZE)
 
 
 def session(params: Params) -> Session:
@@ -126,7 +126,5 @@ def session(params: Params) -> Session:
 def generate(plan: SlotPlan, params: Params | None = None) -> Trace:
     """`plan.agents` slots of back-to-back Putnam sessions."""
     params = params or Params()
-    shared = prefixes(params)
-    prefix = (PREFIX, shared[PREFIX]) if shared else None
     meta = {"params": dataclasses.asdict(params)}
-    return one_workload(plan, NAME, session(params), prefix, meta, BLOCK_SIZE)
+    return one_workload(plan, NAME, session(params), prefixes(params), meta, BLOCK_SIZE)
