@@ -31,13 +31,12 @@ from typing import Any, NewType
 from evolving_infra.workloads.blocks import BlockHash, chain_hashes, common_prefix
 from evolving_infra.workloads.errors import TraceFormatError
 from evolving_infra.workloads.files import read_bytes
-from evolving_infra.workloads.model import BranchId
+from evolving_infra.workloads.model import I64_MAX, I64_MIN, BranchId
 
 ConversationId = NewType("ConversationId", str)
 
 BLOCK_SIZE = 64
 TRACE_SUFFIXES = (".json", ".json.gz", ".json.xz")
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +236,7 @@ class _Parser:
             if isinstance(block_id, bool) or not isinstance(block_id, int):
                 kind = type(block_id).__name__
                 raise self.fail(f"{at}.hash_ids[{j}]", f"expected an int, got {kind}")
-            if not _I64_MIN <= block_id <= _I64_MAX:
+            if not I64_MIN <= block_id <= I64_MAX:
                 raise self.fail(f"{at}.hash_ids[{j}]", f"{block_id} is outside signed 64-bit")
         known: tuple[BlockHash, ...] = ()
         if prev is not None:

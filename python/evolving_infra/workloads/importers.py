@@ -25,6 +25,8 @@ from evolving_infra.workloads.claude_code import (
 from evolving_infra.workloads.errors import TraceFormatError
 from evolving_infra.workloads.files import read_bytes
 from evolving_infra.workloads.model import (
+    I64_MAX,
+    I64_MIN,
     Agent,
     AgentId,
     BlockId,
@@ -232,7 +234,7 @@ def _mooncake_record(path: Path, line: int, raw: str) -> dict[str, Any]:
     if not isinstance(ids, list):
         raise TraceFormatError(path, "hash_ids", "expected a list of ints", line=line)
     for j, h in enumerate(ids):
-        if isinstance(h, bool) or not isinstance(h, int) or not -(2**63) <= h < 2**63:
+        if isinstance(h, bool) or not isinstance(h, int) or not I64_MIN <= h <= I64_MAX:
             raise TraceFormatError(
                 path, f"hash_ids[{j}]", f"expected a 64-bit int, got {h!r}", line=line
             )

@@ -35,7 +35,7 @@ BlockId = NewType("BlockId", int)
 
 FORMAT = "evolving-infra-trace"
 FORMAT_VERSION = 1
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1  # block ids and hashes are signed 64-bit
 
 
 class BranchKind(StrEnum):
@@ -216,7 +216,7 @@ def _validate_request(
         reason = f"{r.prompt_tokens} tokens do not make {n} blocks of {bs}"
         raise TraceError("prompt_tokens", reason, **where)
     for j, block in enumerate(r.blocks):
-        if not _I64_MIN <= block <= _I64_MAX:
+        if not I64_MIN <= block <= I64_MAX:
             raise TraceError(f"blocks[{j}]", f"{block} is outside signed 64-bit", **where)
     if r.end != (i == len(b.requests) - 1):
         raise TraceError("end", "exactly a branch's last request ends it", **where)
