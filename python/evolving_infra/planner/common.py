@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from evolving_infra.planner.base import SliceStats, Split
 from evolving_infra.timing.model import IterationModel
-from evolving_infra.timing.specs import ACTIVATION_RESERVE_PER_GPU, MEM_FRACTION, Deployment
+from evolving_infra.timing.specs import Deployment
 
 # SGLang's default `chunked_prefill_size`: the token budget of one prefill iteration.
 CHUNK_TOKENS = 8192
@@ -148,9 +148,7 @@ def prefill_rate(model: IterationModel, uncached: float, cached: float, chunk: i
 def kv_capacity_tokens(deployment: Deployment) -> int:
     """KV tokens one node holds (docs/simulator.md, "Nodes and KV"): tp x HBM x 0.9 minus the
     weights and an activation reserve, over the KV bytes per token."""
-    m, tp = deployment.model, deployment.tp
-    free = tp * (deployment.gpu.memory * MEM_FRACTION - ACTIVATION_RESERVE_PER_GPU)
-    return max(int((free - m.weight_bytes) // m.kv_bytes_per_token), 1)
+    return max(int(deployment.kv_bytes() // deployment.model.kv_bytes_per_token), 1)
 
 
 def decode_rate(model: IterationModel, mean: MeanRequest, kv_tokens: int, max_batch: int) -> float:

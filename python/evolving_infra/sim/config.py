@@ -113,9 +113,7 @@ class SimConfig:
 
     @property
     def l1_bytes(self) -> float:
-        d = self.deployment
-        per_gpu = d.gpu.memory * self.mem_fraction - self.activation_reserve_per_gpu
-        return d.tp * per_gpu - d.model.weight_bytes
+        return self.deployment.kv_bytes(self.mem_fraction, self.activation_reserve_per_gpu)
 
     def block_bytes(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token

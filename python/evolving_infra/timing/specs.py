@@ -68,6 +68,13 @@ class GpuSpec:
     link_bandwidth: float  # NVLink bytes/s per GPU and direction
 
 
+# SGLang's `mem_fraction_static` default (0.9 of HBM for weights and KV) and a few GiB per GPU for
+# activations and CUDA graphs: what is left is KV. The planners size decode batches and the
+# simulator sizes nodes with these same figures, so the policies' view of capacity is the sim's.
+MEM_FRACTION = 0.9
+ACTIVATION_RESERVE_PER_GPU = 4 * 2**30
+
+
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A model served on `tp` GPUs of one kind with tensor parallelism."""
@@ -75,6 +82,15 @@ class Deployment:
     model: ModelConfig
     gpu: GpuSpec
     tp: int = 1
+
+    def kv_bytes(
+        self,
+        mem_fraction: float = MEM_FRACTION,
+        activation_reserve_per_gpu: float = ACTIVATION_RESERVE_PER_GPU,
+    ) -> float:
+        """GPU memory of one node left for KV: tp x (HBM x fraction - reserve) - weights."""
+        per_gpu = self.gpu.memory * mem_fraction - activation_reserve_per_gpu
+        return self.tp * per_gpu - self.model.weight_bytes
 
 
 # Meta's Llama 3 / 3.1 configs (Hugging Face `config.json`).
@@ -108,12 +124,6 @@ A100 = GpuSpec("a100-sxm-80gb", 312e12, 2.039e12, 80e9, 300e9)
 
 MODELS = {m.name: m for m in (LLAMA3_70B, LLAMA3_8B)}
 GPUS = {g.name: g for g in (H100, H200, A100)}
-
-# SGLang's `mem_fraction_static` default (0.9 of HBM for weights and KV) and a few GiB per GPU for
-# activations and CUDA graphs: what is left is KV. The planners size decode batches and the
-# simulator sizes nodes with these same figures, so the policies' view of capacity is the sim's.
-MEM_FRACTION = 0.9
-ACTIVATION_RESERVE_PER_GPU = 4 * 2**30
 
 # The paper's main setting: Llama-3-70B at TP4 on H100s.
 DEFAULT_DEPLOYMENT = Deployment(LLAMA3_70B, H100, tp=4)
