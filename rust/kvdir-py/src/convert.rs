@@ -44,17 +44,49 @@ unsafe fn as_i64(obj: *mut ffi::PyObject) -> i64 {
     unsafe { ffi::PyLong_AsLongLong(obj) }
 }
 
+/// How many items ahead `list_of_hashes` prefetches.
+const PREFETCH_AHEAD: usize = 16;
+
+/// Asks the CPU to start loading the cache line at `p` (a hint: never faults, no effect on
+/// results).
+#[inline]
+fn prefetch(p: *const ffi::PyObject) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never dereferences in the language's sense and never
+    // faults, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// The common case, a list of ints, read through the C API: pyo3's per-item `extract` costs
 /// ~35 ns an item, which made list conversion the largest part of a 100-block `match`.
+///
+/// NOTE: the ints of a real query were created one by one (hashing) and lie scattered in
+/// memory, so reading each is a cache miss; converting item i while item i + 16 is being
+/// prefetched overlaps those misses (a 100-int list: ~4 µs → ~1 µs on the benchmark machine).
 fn list_of_hashes(list: &Bound<'_, PyList>) -> PyResult<Vec<BlockHash>> {
     let n = list.len();
     let mut out = Vec::with_capacity(n);
+    let item = |i: usize| -> *mut ffi::PyObject {
+        // SAFETY: `list` is a list (checked by the cast) and `i < n`, its length, with the GIL
+        // held: a valid borrowed reference.
+        unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) }
+    };
+    for i in 0..n.min(PREFETCH_AHEAD) {
+        prefetch(item(i));
+    }
     for i in 0..n {
-        // SAFETY: `list` is a list (checked by the cast) of length n, the GIL is held, so item i
-        // is a valid borrowed reference; `as_i64` accepts any object and reports
-        // failure through the error indicator, which is checked right after.
+        if i + PREFETCH_AHEAD < n {
+            prefetch(item(i + PREFETCH_AHEAD));
+        }
+        let item = item(i);
+        // SAFETY: a valid object (above); `as_i64` accepts any object and reports failure
+        // through the error indicator, which is checked right after.
         let v = unsafe {
-            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
             let v = as_i64(item);
             if v == -1 && !ffi::PyErr_Occurred().is_null() {
                 let err = PyErr::fetch(list.py());

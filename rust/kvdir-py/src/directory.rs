@@ -7,7 +7,7 @@
 //! waited for while the GIL is held, and the GIL is never taken while the lock is held, so the
 //! two cannot deadlock.
 
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -303,8 +303,12 @@ pub(crate) struct PrefixMatch {
     inner: kvdir::PrefixMatch,
 }
 
-fn int64_array(py: Python<'_>, values: impl Iterator<Item = i64>) -> Bound<'_, PyArray1<i64>> {
-    values.collect::<Vec<i64>>().into_pyarray(py)
+/// A new numpy array owning a copy of `values`. NOTE: copying into numpy's own buffer
+/// (`from_slice`) is cheaper for these short arrays than handing numpy a `Vec`
+/// (`into_pyarray`), which also allocates a Python capsule to own it.
+fn int64_array<'py>(py: Python<'py>, values: &[u32]) -> Bound<'py, PyArray1<i64>> {
+    let values: Vec<i64> = values.iter().map(|&n| i64::from(n)).collect();
+    PyArray1::from_slice(py, &values)
 }
 
 #[pymethods]
@@ -377,19 +381,19 @@ impl PrefixMatch {
     /// Nodes with l12 > 0, ascending.
     #[getter]
     fn node_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        int64_array(py, self.inner.node_ids.iter().map(|&n| i64::from(n)))
+        int64_array(py, &self.inner.node_ids)
     }
 
     /// Leading query blocks in each node's L1, aligned with `node_ids`.
     #[getter]
     fn l1<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        int64_array(py, self.inner.l1.iter().map(|&n| i64::from(n)))
+        int64_array(py, &self.inner.l1)
     }
 
     /// Leading query blocks in each node's L1 ∪ L2, aligned with `node_ids`.
     #[getter]
     fn l12<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        int64_array(py, self.inner.l12.iter().map(|&n| i64::from(n)))
+        int64_array(py, &self.inner.l12)
     }
 
     fn __len__(&self) -> usize {
