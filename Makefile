@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 NATIVE := $(VENV)/.native
 
 .DEFAULT_GOAL := help
-.PHONY: help venv build demo demo-directory test test-rust test-py lint fmt bench bench-rust bench-py bench-dynamo clean
+.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "maturin>=1.7,<2" "numpy>=1.26" "scipy>=1.11" "matplotlib>=3.8" \
 		"msgpack>=1.0" "rich>=13" "structlog>=24" \
-		"pytest>=8" "hypothesis>=6.100" "mypy>=1.11" "ruff>=0.6" "scipy-stubs" "pytest-benchmark>=4"
+		"aiohttp>=3.9" "grpcio>=1.85.1" "protobuf>=7.35.1,<8" "prometheus-client>=0.20" \
+		"pyzmq>=25" "tokenizers>=0.15" "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
+		"pytest>=8" "hypothesis>=6.100" "mypy>=1.11" "ruff>=0.6" "scipy-stubs" "pytest-benchmark>=4" \
+		"grpcio-tools==1.85.1" "mypy-protobuf==5.1.0" "types-protobuf>=7.35.1" "types-grpcio>=1.85"
 	touch $@
 
 venv: $(STAMP) ## create .venv with the Python dependencies
@@ -54,6 +57,9 @@ lint: build ## clippy, rustfmt --check, stubtest, mypy --strict, ruff
 	$(VENV)/bin/mypy benches
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
+
+proto: $(STAMP) ## regenerate the engine-control gRPC code from proto/ (commit the result)
+	$(PY) python/evolving_infra/control/codegen.py
 
 fmt: $(STAMP) ## format Rust and Python
 	cargo fmt --all

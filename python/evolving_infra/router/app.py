@@ -1,0 +1,514 @@
+"""The router's HTTP front end (aiohttp): OpenAI API, branch API, `/health`, `/metrics`.
+
+`build_app` wires a `Dispatcher`, a `BranchTracker`, a `Tokenizer` and `RouterMetrics` into an
+`aiohttp.web.Application`. A completion request goes: body (size, content type, JSON) -> record
+(`api`) -> branch info (`branches`) -> token ids and block hashes (`tokenize`, in a worker thread:
+a long prompt must not stall the event loop) -> `tracker.begin` -> `dispatcher.generate` -> JSON
+or SSE. `tracker.finish` runs in a `finally`, so a failed, cancelled or disconnected request never
+leaves a live anonymous branch behind.
+
+Every error, from a handler or from aiohttp itself (unknown route, method, body too large), is
+answered as OpenAI error JSON by one middleware, which also counts and logs each request. An
+unexpected exception is a logged 500: the server never dies on a request.
+
+Client disconnects: run the app with `handler_cancellation=True` (as `serve` does) and the
+handler is cancelled as soon as the client goes, which stops the dispatch at once; without it, the
+next write fails and the stream stops there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn
+
+import structlog
+from aiohttp import web
+
+from evolving_infra.router import api
+from evolving_infra.router.api import ApiError, ChatRequest, CompletionRequest, Usage
+from evolving_infra.router.branches import BranchLease, BranchTracker, parse_branch_info
+from evolving_infra.router.branches import check_branch_id as _check_branch_id
+from evolving_infra.router.dispatcher import (
+    Dispatcher,
+    DispatchError,
+    EngineFailedError,
+    Finished,
+    GenerationEvent,
+    NoEngineError,
+    PreparedRequest,
+)
+from evolving_infra.router.metrics import CONTENT_TYPE, RouterMetrics
+from evolving_infra.router.tokenize import (
+    Tokenizer,
+    encode_chat,
+    encode_completion,
+    prompt_blocks,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Call:
+    """Per-request state the middleware shares with the handler (through `_CALL`)."""
+
+    request_id: str
+    status: int | None = None  # the status to record when the response itself says 200
+
+
+# A context variable rather than request storage: the handler runs in the middleware's task,
+# and aiohttp's typed request keys exist only in recent versions.
+_CALL: ContextVar[_Call] = ContextVar("evolving_router_call")
+
+CLIENT_GONE = 499  # nginx's status for "client closed the request": only in metrics and logs
+_ROUTE_OTHER = "other"  # metric label of requests that matched no route
+
+
+def configure_json_logging(level: str = "info") -> None:
+    """JSON lines on stderr: one object per event, with ISO UTC time, level and bound context."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+_CLIENT_MAX = web.AppKey("client_max_size", int)  # the body limit, for the 413 message
+_QUIET = frozenset({"/health", "/metrics"})  # polled paths: their request lines are debug
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(data, status=status, headers=headers)
+
+
+def _error_response(e: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(e.body(), status=e.status, headers=headers)
+
+
+def _from_http(e: web.HTTPException, request: web.Request) -> tuple[ApiError, dict[str, str]]:
+    """aiohttp's own errors (routing, body size) as API errors, keeping their headers."""
+    if isinstance(e, web.HTTPNotFound):
+        return ApiError(404, f"no route {request.path}", code=api.NOT_FOUND), {}
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        message = f"method {request.method} not allowed on {request.path} (allowed: {allowed})"
+        return ApiError(405, message, code=api.METHOD_NOT_ALLOWED), {"Allow": allowed}
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return _too_large(request), {}
+    code = api.NOT_FOUND if e.status == 404 else api.INVALID_VALUE
+    return ApiError(e.status, e.reason, code=code), {}
+
+
+def _too_large(request: web.Request) -> ApiError:
+    limit = request.app[_CLIENT_MAX]
+    return ApiError(413, f"request body larger than {limit} bytes", code=api.TOO_LARGE)
+
+
+def _dispatch_error(e: DispatchError) -> ApiError:
+    if isinstance(e, NoEngineError):
+        return ApiError(503, f"no engine available: {e.reason}", code=api.NO_ENGINE)
+    return ApiError(e.status, f"engine failed: {e.reason}", code=api.ENGINE_FAILED)
+
+
+def _route_label(request: web.Request) -> str:
+    route = request.match_info.route
+    if isinstance(route, web.ResourceRoute):
+        return route.resource.canonical if route.resource is not None else _ROUTE_OTHER
+    return _ROUTE_OTHER
+
+
+async def _close(events: AsyncIterator[GenerationEvent]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class FrontEnd:
+    """The handlers, over the parts `build_app` hands in."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        tracker: BranchTracker,
+        tokenizer: Tokenizer,
+        metrics: RouterMetrics,
+        *,
+        page_size: int,
+        models: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.tracker = tracker
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.page_size = page_size
+        self.models = tuple(models)
+        self.clock = clock
+        self.started = int(time.time())
+        tracker.on_event = lambda event: metrics.branch_events.labels(event).inc()
+        metrics.watch_branches(lambda: (tracker.live, tracker.anonymous_live))
+
+    # -- middleware ------------------------------------------------------------------------
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        start = self.clock()
+        rid = request.headers.get("X-Request-Id", "")
+        if not (0 < len(rid) <= 128 and rid.isprintable()):
+            rid = uuid.uuid4().hex
+        call = _Call(rid)
+        _CALL.set(call)
+        route = _route_label(request)
+        status = 500
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            try:
+                response: web.StreamResponse = await handler(request)
+                status = call.status or response.status
+            except ApiError as e:
+                status = e.status
+                response = self._fail(request, e)
+            except web.HTTPException as e:
+                error, headers = _from_http(e, request)
+                status = error.status
+                response = self._fail(request, error, headers)
+            except asyncio.CancelledError:
+                status = CLIENT_GONE
+                self.metrics.disconnects.inc()
+                log.info("client disconnected", path=request.path)
+                raise
+            except Exception:
+                log.exception("unexpected error", path=request.path, method=request.method)
+                status = 500
+                error = ApiError(500, "internal error (logged)", code=api.INTERNAL)
+                response = self._fail(request, error)
+            finally:
+                self.metrics.requests.labels(route, str(status)).inc()
+                (log.debug if request.path in _QUIET else log.info)(
+                    "request",
+                    method=request.method,
+                    path=request.path,
+                    status=status,
+                    seconds=round(self.clock() - start, 6),
+                )
+            if not response.prepared:  # a stream has sent its headers already
+                response.headers.setdefault("X-Request-Id", rid)
+            return response
+
+    def _fail(
+        self, request: web.Request, e: ApiError, headers: dict[str, str] | None = None
+    ) -> web.Response:
+        self.metrics.errors.labels(e.type, e.code).inc()
+        level = log.error if e.status >= 500 else log.warning
+        level("request failed", status=e.status, code=e.code, error=e.message, param=e.param)
+        return _error_response(e, headers)
+
+    # -- plain routes ------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        h = self.dispatcher.health()
+        body = {
+            "status": "ok" if h.ready else "unavailable",
+            "reason": h.reason or None,
+            "tokenizer": self.tokenizer.name,
+            "page_size": self.page_size,
+            "branches": {"named": self.tracker.live, "anonymous": self.tracker.anonymous_live},
+            "dispatcher": dict(h.detail),
+        }
+        return _json(body, status=200 if h.ready else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return _json(api.models_response(self.models, self.started))
+
+    async def end_branch(self, request: web.Request) -> web.Response:
+        branch = _check_branch_id(request.match_info["branch"], "branch")
+        self.tracker.end(branch)
+        log.info("branch ended", branch=branch)
+        return _json({"branch": branch, "ended": True})
+
+    # -- completions ---------------------------------------------------------------------------
+
+    async def _read_json(self, request: web.Request) -> Any:
+        if request.content_type != "application/json":
+            raise ApiError(
+                400,
+                f"Content-Type must be application/json, got {request.content_type!r}",
+                code=api.INVALID_CONTENT_TYPE,
+            )
+        limit = request.app[_CLIENT_MAX]
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(request)  # before reading a byte of it
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(request) from None
+        try:
+            return json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:
+            # JSONDecodeError and UnicodeDecodeError are ValueErrors; deep nesting recurses.
+            raise ApiError(400, f"malformed JSON body: {e}", code=api.INVALID_JSON) from None
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "completion")
+
+    async def _complete(
+        self, request: web.Request, kind: Literal["chat", "completion"]
+    ) -> web.StreamResponse:
+        arrival = self.clock()
+        body = await self._read_json(request)
+        req = api.parse_chat(body) if kind == "chat" else api.parse_completion(body)
+        if self.models and req.model not in self.models:
+            raise ApiError(
+                404,
+                f"model {req.model!r} is not served (served: {', '.join(self.models)})",
+                code=api.UNKNOWN_MODEL,
+                param="model",
+            )
+        info = parse_branch_info(request.headers, req.agent)
+        ids, hashes = await asyncio.to_thread(self._encode, req)
+        if not ids:
+            raise api.invalid("the prompt is empty", "messages" if kind == "chat" else "prompt")
+        lease = self.tracker.begin(info, hashes)
+        try:
+            rid = _CALL.get().request_id
+            prepared = PreparedRequest(
+                request_id=rid,
+                kind=kind,
+                model=req.model,
+                token_ids=tuple(ids),
+                block_hashes=tuple(hashes),
+                page_size=self.page_size,
+                branch=lease.key,
+                branch_info=info,
+                sampling=req.sampling,
+                stream=req.stream,
+                arrival=arrival,
+                user=req.user,
+            )
+            log.debug(
+                "dispatch",
+                kind=kind,
+                prompt_tokens=len(ids),
+                blocks=len(hashes),
+                branch=str(lease.key),
+                branch_event=info.event if info else None,
+            )
+            self.metrics.prompt_tokens.inc(len(ids))
+            events = self.dispatcher.generate(prepared)
+            try:
+                if req.stream:
+                    return await self._stream(request, prepared, req, events)
+                return await self._collect(prepared, req, events)
+            finally:
+                await _close(events)
+        finally:
+            self._finish(lease)
+
+    def _finish(self, lease: BranchLease) -> None:
+        if lease.info is not None and lease.end_after:
+            log.info("branch ended", branch=lease.info.branch, by="event")
+        self.tracker.finish(lease)
+
+    def _encode(self, req: ChatRequest | CompletionRequest) -> tuple[list[int], list[int]]:
+        if isinstance(req, ChatRequest):
+            ids = encode_chat(self.tokenizer, req.messages, req.tools)
+        else:
+            ids = encode_completion(self.tokenizer, req.prompt)
+        return ids, prompt_blocks(ids, self.page_size)
+
+    def _response_id(self, prepared: PreparedRequest) -> str:
+        return f"{'chatcmpl' if prepared.kind == 'chat' else 'cmpl'}-{prepared.request_id}"
+
+    def _observe(self, prepared: PreparedRequest, done: Finished, first: float | None) -> Usage:
+        now = self.clock()
+        self.metrics.ttft.labels(prepared.kind).observe((first or now) - prepared.arrival)
+        self.metrics.e2e.labels(prepared.kind).observe(now - prepared.arrival)
+        self.metrics.completion_tokens.inc(done.completion_tokens)
+        if done.cached_tokens is not None:
+            self.metrics.cached_tokens.inc(done.cached_tokens)
+        return Usage(len(prepared.token_ids), done.completion_tokens, done.cached_tokens)
+
+    async def _collect(
+        self,
+        prepared: PreparedRequest,
+        req: ChatRequest | CompletionRequest,
+        events: AsyncIterator[GenerationEvent],
+    ) -> web.Response:
+        parts: list[str] = []
+        first: float | None = None
+        done: Finished | None = None
+        try:
+            async for event in events:
+                if isinstance(event, Finished):
+                    done = event
+                    break
+                if first is None:
+                    first = self.clock()
+                parts.append(event.text)
+        except DispatchError as e:
+            raise _dispatch_error(e) from e
+        if done is None:
+            raise _dispatch_error(_truncated())
+        usage = self._observe(prepared, done, first)
+        build = api.chat_response if prepared.kind == "chat" else api.completion_response
+        rid = self._response_id(prepared)
+        body = build(rid, req.model, int(time.time()), "".join(parts), done.finish_reason, usage)
+        return _json(body, headers={"X-Request-Id": prepared.request_id})
+
+    async def _stream(
+        self,
+        request: web.Request,
+        prepared: PreparedRequest,
+        req: ChatRequest | CompletionRequest,
+        events: AsyncIterator[GenerationEvent],
+    ) -> web.StreamResponse:
+        it = aiter(events)
+        # The first event comes before the headers, so that a dispatch that fails at once (no
+        # engine) is an HTTP error status, not a 200 stream that carries an error.
+        try:
+            event = await anext(it)
+        except StopAsyncIteration:
+            raise _dispatch_error(_truncated()) from None
+        except DispatchError as e:
+            raise _dispatch_error(e) from e
+        chunks = api.ChunkBuilder(
+            self._response_id(prepared),
+            req.model,
+            int(time.time()),
+            chat=prepared.kind == "chat",
+            include_usage=req.include_usage,
+        )
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": prepared.request_id,
+            }
+        )
+        await response.prepare(request)
+        first = self.clock()
+        try:
+            if chunks.chat:
+                await response.write(api.sse(chunks.role()))
+            while True:
+                if isinstance(event, Finished):
+                    usage = self._observe(prepared, event, first)
+                    await response.write(api.sse(chunks.finish(event.finish_reason)))
+                    if req.include_usage:
+                        await response.write(api.sse(chunks.usage(usage)))
+                    break
+                if event.text:
+                    await response.write(api.sse(chunks.text(event.text)))
+                try:
+                    event = await anext(it)
+                except StopAsyncIteration:
+                    raise _truncated() from None
+        except DispatchError as e:
+            # Headers are sent: the error goes in the stream, as an OpenAI error object, then
+            # [DONE] (what vLLM and SGLang do; OpenAI clients raise on the error object).
+            error = _dispatch_error(e)
+            _CALL.get().status = error.status
+            self._fail(request, error)
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(api.sse(error.body()))
+        except ConnectionResetError:
+            return self._gone(request, response)
+        try:
+            await response.write(api.SSE_DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            return self._gone(request, response)
+        return response
+
+    def _gone(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+        _CALL.get().status = CLIENT_GONE
+        self.metrics.disconnects.inc()
+        log.info("client disconnected mid-stream", path=request.path)
+        return response
+
+    async def _expire_loop(self, interval: float) -> NoReturn:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.tracker.expire()
+            except Exception:  # the loop must outlive a bug in one pass
+                log.exception("branch expiry failed")
+
+
+def _truncated() -> DispatchError:
+    return EngineFailedError("the generation ended without a finish")
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def build_app(
+    dispatcher: Dispatcher,
+    tracker: BranchTracker,
+    tokenizer: Tokenizer,
+    metrics: RouterMetrics,
+    *,
+    page_size: int,
+    models: Sequence[str] = (),
+    max_body_bytes: int = 32 * 2**20,
+    expire_interval: float | None = None,
+) -> web.Application:
+    """The router's aiohttp application (not started: see `serve`, or aiohttp's test utils).
+
+    `expire_interval`: seconds between branch-expiry passes (default: a quarter of the TTL, at
+    most a minute).
+    """
+    front = FrontEnd(dispatcher, tracker, tokenizer, metrics, page_size=page_size, models=models)
+    app = web.Application(middlewares=[front.middleware], client_max_size=max_body_bytes)
+    app[_CLIENT_MAX] = max_body_bytes
+    app.router.add_post("/v1/chat/completions", front.chat)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_get("/v1/models", front.list_models)
+    app.router.add_post("/v1/branches/{branch}/end", front.end_branch)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/metrics", front.metrics_page)
+    interval = expire_interval or min(tracker.ttl / 4, 60.0)
+
+    async def expiry(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(front._expire_loop(interval))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(expiry)
+    return app
+
+
+async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Start `app` on host:port; the caller awaits forever, then `runner.cleanup()`."""
+    # handler_cancellation: a client that goes away cancels its handler, so dispatch stops at
+    # once instead of at the next write. access_log=None: the middleware logs each request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("router listening", host=host, port=port)
+    return runner

@@ -1,0 +1,157 @@
+"""`RouterConfig`: the router daemon's options, from flags and a TOML file.
+
+`add_arguments(parser)` declares every option with its help; the CLI's shared `--config FILE`
+(cli.py) reads a TOML file whose keys are the option names (`page-size = 16`, `engines = [...]`)
+and flags override it. `RouterConfig.from_args(args)` then checks what argparse cannot (at least
+one engine, distinct addresses) and builds the frozen record the daemon runs from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from evolving_infra.argtypes import positive_int, positive_seconds
+
+HELP = "run the router daemon: OpenAI-compatible front end, branch API, dispatch to engines"
+DESCRIPTION = """\
+Serves the OpenAI API (/v1/chat/completions, /v1/completions with SSE streaming, /v1/models) in
+front of the engines given with --engines (their control services), and the agent branch API:
+the headers X-Agent-Branch, X-Agent-Parent-Branch and X-Agent-Event (fork|compaction|end), or
+the same in a body field "agent": {"branch", "parent", "event"}; POST /v1/branches/{id}/end ends
+a branch.
+Also /health and /metrics (Prometheus, evolving_* series). Logs are JSON lines on stderr.
+
+Prompts are tokenized with --tokenizer (a Hugging Face tokenizer.json) or, without one, as UTF-8
+bytes (one token per byte), then hashed in pages of --page-size tokens for the KV directory."""
+
+DEFAULT_PORT = 8000
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_BODY_MIB = 32  # an agent's whole context in JSON: 200k tokens are ~1 MiB of text
+DEFAULT_BRANCH_TTL = 3600.0
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class RouterConfigError(ValueError):
+    """Options that do not make a runnable router; the message names the option."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine, by the address of its `EngineControl` gRPC service: the router learns
+    everything else (node id, phase, data URL, event endpoints, capacities) from `GetInfo`."""
+
+    address: str  # HOST:PORT
+
+    def __str__(self) -> str:
+        return self.address
+
+
+def engine_spec(text: str) -> EngineSpec:
+    """`HOST:PORT` of an engine's control service."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or "/" in text:
+        raise argparse.ArgumentTypeError(
+            f"engine must be the HOST:PORT of its control service, got {text!r}"
+        )
+    try:
+        _port(port)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"bad port in engine {text!r}") from None
+    return EngineSpec(text)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    engines: tuple[EngineSpec, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    models: tuple[str, ...] = ()  # served model names; empty: any name is accepted
+    tokenizer: Path | None = None  # None: the byte-level fallback
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_body_bytes: int = DEFAULT_MAX_BODY_MIB * 2**20
+    branch_ttl: float = DEFAULT_BRANCH_TTL
+    log_level: str = "info"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        specs: list[EngineSpec] = list(args.engines or ())
+        if not specs:
+            raise RouterConfigError("engines: give at least one (--engines, or engines = [...])")
+        addresses = [s.address for s in specs]
+        if len(set(addresses)) != len(addresses):
+            raise RouterConfigError(f"engines: addresses must be distinct, got {addresses}")
+        return cls(
+            engines=tuple(specs),
+            host=args.host,
+            port=args.port,
+            models=tuple(args.model or ()),
+            tokenizer=args.tokenizer,
+            page_size=args.page_size,
+            max_body_bytes=args.max_body_mib * 2**20,
+            branch_ttl=args.branch_ttl,
+            log_level=args.log_level,
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engines",
+        type=engine_spec,
+        nargs="+",
+        metavar="ENGINE",
+        help="engines to dispatch to, each as the HOST:PORT of its EngineControl gRPC service"
+        " (`evolving-infra engine --control-port`); node ids, phases, data URLs and KV event"
+        " endpoints come from the engines themselves; required, here or in --config",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=_port, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
+    )
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        metavar="NAME",
+        help="served model names, listed by /v1/models; a request for another name is a 404"
+        " (default: none listed, any name accepted)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="FILE",
+        help="Hugging Face tokenizer.json used to tokenize prompts (chat messages are rendered in"
+        " a simple fixed format, not the model's template); default: UTF-8 bytes as token ids",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=positive_int,
+        default=DEFAULT_PAGE_SIZE,
+        help="tokens per KV page; must equal the engines' --page-size, or block hashes will not"
+        f" match the engines' KV events (default: {DEFAULT_PAGE_SIZE})",
+    )
+    parser.add_argument(
+        "--max-body-mib",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_MIB,
+        help=f"largest request body in MiB; larger is a 413 (default: {DEFAULT_MAX_BODY_MIB})",
+    )
+    parser.add_argument(
+        "--branch-ttl",
+        type=positive_seconds,
+        default=DEFAULT_BRANCH_TTL,
+        help="seconds after which a named branch with no request is ended, for harnesses that"
+        f" never end their branches (default: {DEFAULT_BRANCH_TTL:g})",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="least level logged (default: info)"
+    )

@@ -1,0 +1,109 @@
+"""The interface between the HTTP front end (`app.py`) and dispatch to the engines.
+
+The front end parses, tokenizes, hashes and applies the branch API; a `Dispatcher` chooses the
+prefill and decode nodes and runs the request on them. This module holds only the contract, so
+that the dispatch core and the tests' stand-ins implement the same thing without importing the
+front end:
+
+- `PreparedRequest`: everything dispatch needs, already validated;
+- `generate(request)` returns an async iterator of `TextPiece`s then exactly one `Finished`;
+- failures are `DispatchError`s: `NoEngineError` (503: nothing can take the request, with the
+  reason) and `EngineFailedError` (502, or 503 when the engine is unreachable). Raised before the
+  first event, they become an HTTP error response; after it, an SSE error event.
+
+The front end stops iterating (and calls `aclose()` when the iterator has one) when the client
+goes away; a dispatcher releases engine work in its generator's `finally`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from evolving_infra.router.api import FinishReason, SamplingParams
+from evolving_infra.router.branches import BranchInfo, BranchKey
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """One validated request, ready for dispatch.
+
+    `token_ids` are what the engines must receive (SGLang `input_ids`): the block hashes were
+    computed from them, so the engines' KV events name the same blocks (see `tokenize.py`).
+    """
+
+    request_id: str
+    kind: Literal["chat", "completion"]
+    model: str
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # one per full page of `page_size` tokens
+    page_size: int
+    branch: BranchKey  # the directory's key: the named branch, or the request's anonymous int
+    branch_info: BranchInfo | None  # None: an anonymous request
+    sampling: SamplingParams
+    stream: bool
+    arrival: float  # time.monotonic() when the request arrived
+    user: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    """Generated text, as the engine detokenized it; `tokens`: the output tokens it covers (may be
+    0 for a flush). Informational: the usage reported to clients is `Finished.completion_tokens`.
+    """
+
+    text: str
+    tokens: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last event of a generation."""
+
+    finish_reason: FinishReason
+    completion_tokens: int
+    cached_tokens: int | None = None  # prompt tokens the engine had cached, if it reports them
+
+
+GenerationEvent = TextPiece | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherHealth:
+    ready: bool
+    reason: str = ""  # why not ready
+    detail: Mapping[str, Any] = field(default_factory=dict)  # e.g. per-engine state, for /health
+
+
+class DispatchError(Exception):
+    """A request that dispatch could not serve; `reason` is shown to the client."""
+
+    status = 503
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class NoEngineError(DispatchError):
+    """No engine can take the request now (none up, none in the needed phase, all draining)."""
+
+    status = 503
+
+
+class EngineFailedError(DispatchError):
+    """The chosen engine failed: an error answer or a broken stream (502), or unreachable (503)."""
+
+    def __init__(self, reason: str, *, node: int | None = None, unavailable: bool = False) -> None:
+        super().__init__(reason)
+        self.node = node
+        self.status = 503 if unavailable else 502
+
+
+class Dispatcher(Protocol):
+    def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
+        """Run the request: `TextPiece`s, then one `Finished`; or raise a `DispatchError`."""
+
+    def health(self) -> DispatcherHealth:
+        """Whether requests can be served now (for `/health`); must be cheap, never block."""

@@ -1,0 +1,102 @@
+"""The router's Prometheus series, all named `evolving_*`, rendered at `/metrics`.
+
+Each `RouterMetrics` has its own registry rather than prometheus_client's global one: two apps in
+one process (tests, or a router next to a simulated engine) then never share or double-register
+series. Labels take values from fixed sets only (route templates, error codes, branch events), so
+the number of series stays bounded whatever clients send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Seconds: TTFT of agent requests runs from tens of ms (a cached prefix) to tens of seconds (a
+# long uncached prompt behind a queue); end-to-end adds the decode, up to minutes.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _BranchCollector(Collector):
+    """`evolving_branches_live{kind}` read from the tracker at scrape time (never stale)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        named, anonymous = self._read()
+        g = GaugeMetricFamily(
+            "evolving_branches_live",
+            "Live agent branches: named by the harness, or anonymous (one per running request)",
+            labels=["kind"],
+        )
+        g.add_metric(["named"], named)
+        g.add_metric(["anonymous"], anonymous)
+        yield g
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "evolving_requests",
+            "HTTP requests by route template and status (499: the client went away)",
+            ["route", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "evolving_errors",
+            "Error responses by OpenAI error type and router error code",
+            ["type", "code"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "evolving_ttft_seconds",
+            "Arrival to the first generated piece, per completion route",
+            ["route"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "evolving_e2e_seconds",
+            "Arrival to the last generated piece, per completion route",
+            ["route"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "evolving_prompt_tokens", "Prompt tokens of dispatched requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "evolving_cached_prompt_tokens",
+            "Prompt tokens the engines served from KV cache (as they report it)",
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "evolving_completion_tokens", "Generated tokens", registry=r
+        )
+        self.branch_events = Counter(
+            "evolving_branch_events",
+            "Branch events: fork, compaction, end (header, body or POST) and expired (TTL)",
+            ["event"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "evolving_client_disconnects",
+            "Streams the client closed before the end (dispatch cancelled)",
+            registry=r,
+        )
+
+    def watch_branches(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Report `read()` = (named, anonymous) live branches as `evolving_branches_live`."""
+        self.registry.register(_BranchCollector(read))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,392 @@
+"""Dispatch to prefill/decode engines with SGLang's PD request protocol (the live router's core).
+
+For each request the routing policy (`evolving_infra.routing`, the same objects the simulator
+drives) picks a prefill node and a decode node from the router's view of every engine
+(`NodeLoad`s kept by `LoadTracker`) and the cluster directory. The request then goes to both at
+once, as SGLang's gateway sends it (notes `sglang-0.5.23.md` §1.2, "Request contract"): the same
+`/generate` body with `bootstrap_host`/`bootstrap_port` of the prefill engine and a random
+`bootstrap_room`; the decode engine pulls the KV from the prefill engine and streams the tokens.
+Only the decode stream reaches the client; the prefill answer only ends the prefill bookkeeping.
+
+Load is tracked on the router side, from what it dispatched (as Dynamo's and SGLang's routers
+do), so choosing a node needs no round trip: a request adds its predicted prefill seconds to its
+prefill node until the prefill engine answers, and its KV blocks to its decode node until the
+stream ends.
+
+Failures: an engine that cannot be reached is marked down and the request is tried once more on
+other nodes, as long as no token has reached the client; after that, or on an engine error
+answer, the request fails with `EngineFailedError` (an SSE error event when streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import structlog
+
+from evolving_infra._core import KvDirectory
+from evolving_infra.router.dispatcher import (
+    DispatcherHealth,
+    EngineFailedError,
+    Finished,
+    GenerationEvent,
+    NoEngineError,
+    PreparedRequest,
+    TextPiece,
+)
+from evolving_infra.routing.base import NodeLoad, Phase, Router, RouteRequest
+from evolving_infra.routing.common import NoNodeError, blocks_for
+from evolving_infra.timing.model import IterationModel
+
+log = structlog.get_logger("evolving_infra.router.pd")
+
+EngineState = Literal["up", "draining", "down"]
+
+# SGLang's gateway draws the room as `u64 & i64::MAX` (notes §1.2): a non-negative i64.
+ROOM_MAX = (1 << 63) - 1
+
+
+@dataclass(slots=True)
+class EngineHandle:
+    """One engine as the router knows it (from `GetInfo`, then kept current by the daemon)."""
+
+    node: int
+    http_url: str  # e.g. http://127.0.0.1:30000
+    phase: Phase
+    bootstrap_host: str
+    bootstrap_port: int
+    kv_capacity_blocks: int
+    state: EngineState = "up"
+    reason: str = ""  # why it is not up
+
+
+@dataclass(slots=True)
+class _Load:
+    queued_prefill_s: float = 0.0
+    queued_prefill_tokens: int = 0
+    decode_requests: int = 0
+    kv_used_blocks: int = 0
+
+
+@dataclass(slots=True)
+class LoadTracker:
+    """Per-node work the router has sent and not yet seen finish."""
+
+    loads: dict[int, _Load] = field(default_factory=dict)
+
+    def _get(self, node: int) -> _Load:
+        return self.loads.setdefault(node, _Load())
+
+    def add_prefill(self, node: int, seconds: float, tokens: int) -> None:
+        load = self._get(node)
+        load.queued_prefill_s += seconds
+        load.queued_prefill_tokens += tokens
+
+    def done_prefill(self, node: int, seconds: float, tokens: int) -> None:
+        load = self._get(node)
+        load.queued_prefill_s = max(load.queued_prefill_s - seconds, 0.0)
+        load.queued_prefill_tokens = max(load.queued_prefill_tokens - tokens, 0)
+
+    def add_decode(self, node: int, blocks: int) -> None:
+        load = self._get(node)
+        load.decode_requests += 1
+        load.kv_used_blocks += blocks
+
+    def done_decode(self, node: int, blocks: int) -> None:
+        load = self._get(node)
+        load.decode_requests = max(load.decode_requests - 1, 0)
+        load.kv_used_blocks = max(load.kv_used_blocks - blocks, 0)
+
+    def view(self, engines: Sequence[EngineHandle]) -> list[NodeLoad]:
+        out = []
+        for e in engines:
+            load = self._get(e.node)
+            out.append(
+                NodeLoad(
+                    node=e.node,
+                    phase=e.phase,
+                    accepting=e.state == "up",
+                    queued_prefill_s=load.queued_prefill_s,
+                    queued_prefill_tokens=load.queued_prefill_tokens,
+                    decode_requests=load.decode_requests,
+                    kv_used_blocks=load.kv_used_blocks,
+                    kv_capacity_blocks=e.kv_capacity_blocks,
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    prefill: EngineHandle
+    decode: EngineHandle
+    prefill_s: float
+    uncached: int
+    decode_blocks: int
+
+
+class _UnreachableError(Exception):
+    """An engine did not answer at the connection level (the request may be retried)."""
+
+    def __init__(self, engine: EngineHandle, reason: str) -> None:
+        super().__init__(reason)
+        self.engine = engine
+        self.reason = reason
+
+
+class PdDispatcher:
+    """`Dispatcher` over prefill and decode engines (see the module docstring)."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineHandle],
+        directory: KvDirectory,
+        router: Router,
+        model: IterationModel,
+        *,
+        page_size: int,
+        session: aiohttp.ClientSession,
+        default_max_tokens: int = 256,
+        request_timeout_s: float = 600.0,
+        seed: int | None = None,
+    ) -> None:
+        self.engines: dict[int, EngineHandle] = {e.node: e for e in engines}
+        self.directory = directory
+        self.router = router
+        self.model = model
+        self.page_size = page_size
+        self.session = session
+        self.default_max_tokens = default_max_tokens
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5.0)
+        self.loads = LoadTracker()
+        self._rng = random.Random(seed)
+
+    # -- engine states (the daemon's discovery and health loops call these) ---------------------
+
+    def set_state(self, node: int, state: EngineState, reason: str = "") -> None:
+        e = self.engines[node]
+        if e.state != state:
+            log.info("engine_state", node=node, old=e.state, new=state, reason=reason)
+        e.state, e.reason = state, reason
+
+    def set_phase(self, node: int, phase: Phase) -> None:
+        self.engines[node].phase = phase
+
+    def health(self) -> DispatcherHealth:
+        up = [e for e in self.engines.values() if e.state == "up"]
+        phases = {e.phase for e in up}
+        detail = {
+            str(e.node): {"phase": e.phase, "state": e.state, "reason": e.reason}
+            for e in self.engines.values()
+        }
+        missing = [p for p in ("prefill", "decode") if p not in phases]
+        if missing:
+            return DispatcherHealth(False, f"no {' or '.join(missing)} engine up", detail)
+        return DispatcherHealth(True, "", detail)
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def _place(self, req: PreparedRequest, excluded: set[int]) -> _Placement:
+        engines = [e for e in self.engines.values() if e.node not in excluded]
+        nodes = self.loads.view(engines)
+        max_out = req.sampling.max_tokens or self.default_max_tokens
+        route = RouteRequest(
+            hashes=list(req.block_hashes),
+            prompt_tokens=len(req.token_ids),
+            expected_output_tokens=max_out,
+            branch=str(req.branch),
+        )
+        try:
+            p = self.router.choose_prefill(route, nodes, self.directory)
+            d = self.router.choose_decode(route, nodes, self.directory)
+        except NoNodeError as e:
+            raise NoEngineError(f"{e}; engines: {self._states()}") from None
+        l12 = self.directory.match(route.hashes).nodes.get(p, (0, 0))[1]
+        t = route.prompt_tokens
+        uncached = max(t - min(l12 * self.page_size, t), 1)
+        seconds = self.model.predict_prefill_one(uncached, t - uncached)
+        blocks = blocks_for(t + max_out, self.page_size)
+        return _Placement(self.engines[p], self.engines[d], seconds, uncached, blocks)
+
+    def _states(self) -> str:
+        return (
+            ", ".join(
+                f"{e.node}={e.phase}/{e.state}"
+                for e in sorted(self.engines.values(), key=lambda e: e.node)
+            )
+            or "none"
+        )
+
+    def _body(self, req: PreparedRequest, place: _Placement, room: int) -> dict[str, Any]:
+        s = req.sampling
+        params: dict[str, Any] = {"max_new_tokens": s.max_tokens or self.default_max_tokens}
+        if s.temperature is not None:
+            params["temperature"] = s.temperature
+        if s.top_p is not None:
+            params["top_p"] = s.top_p
+        if s.stop:
+            params["stop"] = list(s.stop)
+        if s.seed is not None:
+            params["sampling_seed"] = s.seed
+        return {
+            "rid": req.request_id,
+            "input_ids": list(req.token_ids),
+            "sampling_params": params,
+            "stream": True,
+            "bootstrap_host": place.prefill.bootstrap_host,
+            "bootstrap_port": place.prefill.bootstrap_port,
+            "bootstrap_room": room,
+        }
+
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
+        excluded: set[int] = set()
+        for attempt in range(2):
+            place = self._place(request, excluded)
+            streamed = False
+            try:
+                async for event in self._run(request, place):
+                    streamed = True
+                    yield event
+                return
+            except _UnreachableError as e:
+                self.set_state(e.engine.node, "down", e.reason)
+                if streamed or attempt == 1:
+                    raise EngineFailedError(
+                        f"engine {e.engine.node} unreachable: {e.reason}",
+                        node=e.engine.node,
+                        unavailable=True,
+                    ) from None
+                excluded.add(e.engine.node)
+                log.warning("retry", request=request.request_id, down=e.engine.node)
+
+    async def _run(self, req: PreparedRequest, place: _Placement) -> AsyncIterator[GenerationEvent]:
+        room = self._rng.randint(0, ROOM_MAX)
+        body = self._body(req, place, room)
+        p, d = place.prefill, place.decode
+        self.loads.add_prefill(p.node, place.prefill_s, place.uncached)
+        self.loads.add_decode(d.node, place.decode_blocks)
+        prefill_open = True
+
+        def prefill_done(_: object = None) -> None:
+            nonlocal prefill_open
+            if prefill_open:
+                prefill_open = False
+                self.loads.done_prefill(p.node, place.prefill_s, place.uncached)
+
+        prefill = asyncio.create_task(self._prefill(p, {**body, "stream": False}))
+        prefill.add_done_callback(prefill_done)
+        try:
+            async for event in self._decode(d, body, req):
+                yield event
+            # The decode side has the KV once it streams: the prefill answer only confirms it.
+            await prefill
+        finally:
+            if not prefill.done():
+                prefill.cancel()
+            prefill_done()
+            self.loads.done_decode(d.node, place.decode_blocks)
+
+    async def _prefill(self, engine: EngineHandle, body: Mapping[str, Any]) -> None:
+        async with self._post(engine, body) as resp:
+            await self._check(engine, resp)
+            await resp.read()
+
+    async def _decode(
+        self, engine: EngineHandle, body: Mapping[str, Any], req: PreparedRequest
+    ) -> AsyncIterator[GenerationEvent]:
+        text, tokens = "", 0
+        async with self._post(engine, body) as resp:
+            await self._check(engine, resp)
+            try:
+                async for chunk in _sse(resp):
+                    if chunk.get("error"):
+                        raise EngineFailedError(
+                            f"engine {engine.node}: {chunk['error']}", node=engine.node
+                        )
+                    meta = chunk.get("meta_info") or {}
+                    # SGLang streams the cumulative text unless --incremental-streaming-output.
+                    new_text = str(chunk.get("text", ""))
+                    delta = new_text[len(text) :] if new_text.startswith(text) else new_text
+                    n = int(meta.get("completion_tokens", tokens))
+                    if delta or n > tokens:
+                        yield TextPiece(delta, max(n - tokens, 0))
+                    text, tokens = new_text, max(n, tokens)
+                    finish = meta.get("finish_reason")
+                    if finish:
+                        reason = finish.get("type") if isinstance(finish, dict) else finish
+                        cached = meta.get("cached_tokens")
+                        yield Finished(
+                            "stop" if reason in ("stop", "eos") else "length",
+                            tokens,
+                            int(cached) if cached is not None else None,
+                        )
+                        return
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
+                raise EngineFailedError(
+                    f"engine {engine.node} broke the stream: {e}", node=engine.node
+                ) from None
+        raise EngineFailedError(f"engine {engine.node} ended the stream early", node=engine.node)
+
+    def _post(self, engine: EngineHandle, body: Mapping[str, Any]) -> _Request:
+        return _Request(self.session, engine, body, self.timeout)
+
+    async def _check(self, engine: EngineHandle, resp: aiohttp.ClientResponse) -> None:
+        if resp.status == 200:
+            return
+        detail = (await resp.text())[:500]
+        if resp.status == 503:
+            # Draining or overloaded: another node can take the request.
+            raise _UnreachableError(engine, f"HTTP 503: {detail}")
+        raise EngineFailedError(
+            f"engine {engine.node} answered HTTP {resp.status}: {detail}", node=engine.node
+        )
+
+
+class _Request:
+    """`session.post(...)` whose connection failures become `_UnreachableError`."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        engine: EngineHandle,
+        body: Mapping[str, Any],
+        timeout: aiohttp.ClientTimeout,
+    ) -> None:
+        self.session, self.engine, self.body, self.timeout = session, engine, body, timeout
+        self.resp: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        try:
+            self.resp = await self.session.post(
+                f"{self.engine.http_url}/generate", json=self.body, timeout=self.timeout
+            )
+        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            raise _UnreachableError(self.engine, str(e) or type(e).__name__) from None
+        return self.resp
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.resp is not None:
+            self.resp.release()
+
+
+async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream (`data: {...}` lines) up to `data: [DONE]`."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            raise EngineFailedError(f"malformed stream chunk: {data[:200]!r}") from None
+        if isinstance(chunk, dict):
+            yield chunk
