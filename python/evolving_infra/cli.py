@@ -14,9 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import structlog
-
-from evolving_infra import demo
+from evolving_infra import demo, logs
 from evolving_infra.sim import command as sim_command
 from evolving_infra.timing import TimingError
 from evolving_infra.timing import command as model_command
@@ -103,18 +101,6 @@ def _convert(action: argparse.Action, value: Any, path: Path, key: str) -> Any:
     return one(value)
 
 
-def configure_logging() -> None:
-    """Log lines go to stderr, so that stdout carries only results (e.g. --json)."""
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
-            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
-        ],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, parsers = build_parser()
@@ -127,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.config is not None:
             sub.set_defaults(**config_defaults(sub, args.config))
             args = parser.parse_args(argv)
-        configure_logging()
+        logs.configure()
         command: Command = args.command_obj
         return command.run(args)
     except (ConfigError, TraceFormatError, TraceError, WorkloadError, TimingError, OSError) as e:

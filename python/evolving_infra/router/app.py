@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,6 +31,7 @@ from typing import Any, Literal, NoReturn
 import structlog
 from aiohttp import web
 
+from evolving_infra import logs
 from evolving_infra.router import api
 from evolving_infra.router.api import ApiError, ChatRequest, CompletionRequest, Usage
 from evolving_infra.router.branches import BranchLease, BranchTracker, parse_branch_info
@@ -72,20 +72,9 @@ CLIENT_GONE = 499  # nginx's status for "client closed the request": only in met
 _ROUTE_OTHER = "other"  # metric label of requests that matched no route
 
 
-def configure_json_logging(level: str = "info") -> None:
+def configure_json_logging(level: logs.Level = "info") -> None:
     """JSON lines on stderr: one object per event, with ISO UTC time, level and bound context."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
+    logs.configure(json=True, level=level)
 
 
 _CLIENT_MAX = web.AppKey("client_max_size", int)  # the body limit, for the 413 message
