@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from evolving_infra import demo, logs
+from evolving_infra.engines.sim import command as engine_command
+from evolving_infra.router import command as router_command
+from evolving_infra.router.config import RouterConfigError
+from evolving_infra.router.tokenize import TokenizerLoadError
 from evolving_infra.sim import command as sim_command
 from evolving_infra.timing import TimingError
 from evolving_infra.timing import command as model_command
@@ -32,7 +36,14 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-COMMANDS: tuple[Command, ...] = (demo, trace_command, model_command, sim_command)
+COMMANDS: tuple[Command, ...] = (
+    demo,
+    trace_command,
+    model_command,
+    sim_command,
+    engine_command,
+    router_command,
+)
 
 
 class ConfigError(ValueError):
@@ -116,7 +127,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.configure()
         command: Command = args.command_obj
         return command.run(args)
-    except (ConfigError, TraceFormatError, TraceError, WorkloadError, TimingError, OSError) as e:
+    except (
+        ConfigError,
+        TraceFormatError,
+        TraceError,
+        WorkloadError,
+        TimingError,
+        RouterConfigError,
+        TokenizerLoadError,
+        OSError,
+    ) as e:
         print(f"evolving-infra {args.command}: error: {e}", file=sys.stderr)
         return 2
 

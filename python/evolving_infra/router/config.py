@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evolving_infra.argtypes import positive_int, positive_seconds
+from evolving_infra.logs import Level
 
 HELP = "run the router daemon: OpenAI-compatible front end, branch API, dispatch to engines"
 DESCRIPTION = """\
@@ -30,7 +31,8 @@ DEFAULT_PORT = 8000
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_BODY_MIB = 32  # an agent's whole context in JSON: 200k tokens are ~1 MiB of text
 DEFAULT_BRANCH_TTL = 3600.0
-LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_PLANNER_INTERVAL = 60.0  # DESIGN §3: decisions every minute over a 10-minute window
+LOG_LEVELS: tuple[Level, ...] = ("debug", "info", "warning", "error")
 
 
 class RouterConfigError(ValueError):
@@ -79,7 +81,9 @@ class RouterConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     max_body_bytes: int = DEFAULT_MAX_BODY_MIB * 2**20
     branch_ttl: float = DEFAULT_BRANCH_TTL
-    log_level: str = "info"
+    log_level: Level = "info"
+    planner: bool = True  # False: keep the engines' phases (the "no planner" ablation)
+    planner_interval: float = DEFAULT_PLANNER_INTERVAL
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -99,6 +103,8 @@ class RouterConfig:
             max_body_bytes=args.max_body_mib * 2**20,
             branch_ttl=args.branch_ttl,
             log_level=args.log_level,
+            planner=not args.no_planner,
+            planner_interval=args.planner_interval,
         )
 
 
@@ -154,4 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="least level logged (default: info)"
+    )
+    parser.add_argument(
+        "--no-planner",
+        action="store_true",
+        help="never switch engine phases (the split stays as the engines started)",
+    )
+    parser.add_argument(
+        "--planner-interval",
+        type=positive_seconds,
+        default=DEFAULT_PLANNER_INTERVAL,
+        help="seconds between phase-split decisions; the window is ten of them"
+        f" (default: {DEFAULT_PLANNER_INTERVAL:g})",
     )

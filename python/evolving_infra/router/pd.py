@@ -31,6 +31,7 @@ import aiohttp
 import structlog
 
 from evolving_infra._core import KvDirectory
+from evolving_infra.planner.slices import Slices
 from evolving_infra.router.dispatcher import (
     DispatcherHealth,
     EngineFailedError,
@@ -67,21 +68,29 @@ class EngineHandle:
 
 
 @dataclass(slots=True)
-class _Load:
+class NodeWork:
+    """Work the router sent to one node and has not seen finish."""
+
     queued_prefill_s: float = 0.0
     queued_prefill_tokens: int = 0
     decode_requests: int = 0
+    decode_context: int = 0  # prompt tokens of the requests decoding (the planner's context)
     kv_used_blocks: int = 0
+
+    @property
+    def in_flight(self) -> float:
+        """A rough single figure of the work in flight: what a switch would have to drain."""
+        return self.queued_prefill_s + self.decode_requests
 
 
 @dataclass(slots=True)
 class LoadTracker:
     """Per-node work the router has sent and not yet seen finish."""
 
-    loads: dict[int, _Load] = field(default_factory=dict)
+    loads: dict[int, NodeWork] = field(default_factory=dict)
 
-    def _get(self, node: int) -> _Load:
-        return self.loads.setdefault(node, _Load())
+    def _get(self, node: int) -> NodeWork:
+        return self.loads.setdefault(node, NodeWork())
 
     def add_prefill(self, node: int, seconds: float, tokens: int) -> None:
         load = self._get(node)
@@ -93,14 +102,16 @@ class LoadTracker:
         load.queued_prefill_s = max(load.queued_prefill_s - seconds, 0.0)
         load.queued_prefill_tokens = max(load.queued_prefill_tokens - tokens, 0)
 
-    def add_decode(self, node: int, blocks: int) -> None:
+    def add_decode(self, node: int, blocks: int, context: int) -> None:
         load = self._get(node)
         load.decode_requests += 1
+        load.decode_context += context
         load.kv_used_blocks += blocks
 
-    def done_decode(self, node: int, blocks: int) -> None:
+    def done_decode(self, node: int, blocks: int, context: int) -> None:
         load = self._get(node)
         load.decode_requests = max(load.decode_requests - 1, 0)
+        load.decode_context = max(load.decode_context - context, 0)
         load.kv_used_blocks = max(load.kv_used_blocks - blocks, 0)
 
     def view(self, engines: Sequence[EngineHandle]) -> list[NodeLoad]:
@@ -165,6 +176,8 @@ class PdDispatcher:
         self.default_max_tokens = default_max_tokens
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5.0)
         self.loads = LoadTracker()
+        # The planner's window, when a planner runs: arrivals and decoded tokens are counted here.
+        self.slices: Slices | None = None
         self._rng = random.Random(seed)
 
     # -- engine states (the daemon's discovery and health loops call these) ---------------------
@@ -270,7 +283,10 @@ class PdDispatcher:
         body = self._body(req, place, room)
         p, d = place.prefill, place.decode
         self.loads.add_prefill(p.node, place.prefill_s, place.uncached)
-        self.loads.add_decode(d.node, place.decode_blocks)
+        self.loads.add_decode(d.node, place.decode_blocks, len(req.token_ids))
+        if self.slices is not None:
+            t = len(req.token_ids)
+            self.slices.arrival(t, place.uncached, t - place.uncached)
         prefill_open = True
 
         def prefill_done(_: object = None) -> None:
@@ -283,6 +299,8 @@ class PdDispatcher:
         prefill.add_done_callback(prefill_done)
         try:
             async for event in self._decode(d, body, req):
+                if self.slices is not None and isinstance(event, TextPiece):
+                    self.slices.tokens(event.tokens)
                 yield event
             # The decode side has the KV once it streams: the prefill answer only confirms it.
             await prefill
@@ -290,7 +308,7 @@ class PdDispatcher:
             if not prefill.done():
                 prefill.cancel()
             prefill_done()
-            self.loads.done_decode(d.node, place.decode_blocks)
+            self.loads.done_decode(d.node, place.decode_blocks, len(req.token_ids))
 
     async def _prefill(self, engine: EngineHandle, body: Mapping[str, Any]) -> None:
         async with self._post(engine, body) as resp:

@@ -22,12 +22,17 @@ running requests with the very same chain share one leaf: the first to finish un
 
 L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), L2
 evictions drop the block. A demoted run's parent comes from `BlockParents`.
+
+An optional `KvListener` hears every change to what the node holds, in the order it happens
+(the simulated engine turns them into SGLang KV events). The simulator passes none: each hook
+is then one `is None` test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import repeat
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +41,21 @@ from evolving_infra._core import KvDirectory
 from evolving_infra.sim.config import PIN_TIME
 
 IntArray = npt.NDArray[np.int64]
+KvTier = Literal["L1", "L2"]
+
+
+class KvListener(Protocol):
+    """Hears what a `NodeKv` now holds, change by change.
+
+    `stored`: the node now holds `hashes` (a chain, child of `parent`) in `tier`; some may have
+    been held there already (storing is idempotent, as in the directory). `removed`: it no
+    longer holds them there (an L1 eviction comes first, then its L2 demotion as `stored`).
+    `cleared`: it holds nothing any more. Lists are the listener's to keep.
+    """
+
+    def stored(self, tier: KvTier, hashes: list[int], parent: int | None) -> None: ...
+    def removed(self, tier: KvTier, hashes: list[int]) -> None: ...
+    def cleared(self) -> None: ...
 
 
 class BlockParents:
@@ -112,6 +132,7 @@ class NodeKv:
         "l1_held",
         "l2_capacity",
         "l2_held",
+        "listener",
         "node",
         "parents",
         "pinned",
@@ -125,8 +146,10 @@ class NodeKv:
         parents: BlockParents,
         l1_capacity: int,
         l2_capacity: int,
+        listener: KvListener | None = None,
     ) -> None:
         self.node = node
+        self.listener = listener
         self.directory = directory
         self.parents = parents
         self.l1_capacity = l1_capacity
@@ -166,6 +189,11 @@ class NodeKv:
         d.store(self.node, "L1", chain, parent, now)
         new = d.stats()["locations_l1"] - before
         self.l1_held += new
+        if new and self.listener is not None:
+            # L1 is prefix-closed (eviction takes leaves), so the blocks held already are a
+            # prefix of `chain`: the new ones are its last `new`.
+            k = len(chain) - new
+            self.listener.stored("L1", list(chain[k:]), chain[k - 1] if k else parent)
         return new
 
     def pin(self, chain: Sequence[int]) -> None:
@@ -194,6 +222,8 @@ class NodeKv:
         assert self.pinned == 0, "only an idle node is cleared"
         self.directory.clear(self.node)
         self.l1_held = self.l2_held = 0
+        if self.listener is not None:
+            self.listener.cleared()
 
     # -- eviction -----------------------------------------------------------------------------
 
@@ -203,6 +233,8 @@ class NodeKv:
         evicted = self.directory.evict(self.node, "L1", n)
         self.l1_held -= len(evicted)
         self.evicted += len(evicted)
+        if evicted and self.listener is not None:
+            self.listener.removed("L1", list(evicted))
         if self.l2_capacity > 0 and evicted:
             self._demote(evicted, now)
 
@@ -219,6 +251,8 @@ class NodeKv:
             # (matching walks from the first page): dropping it loses nothing.
             if first is None or first in d:
                 d.store(self.node, "L2", evicted[lo:hi], first, now)
+                if self.listener is not None:
+                    self.listener.stored("L2", evicted[lo:hi], first)
         new = d.stats()["locations_l2"] - before
         self.l2_held += new
         self.demoted += new
@@ -227,3 +261,5 @@ class NodeKv:
             dropped = d.evict(self.node, "L2", over)
             self.l2_held -= len(dropped)
             self.dropped += len(dropped)
+            if dropped and self.listener is not None:
+                self.listener.removed("L2", dropped)

@@ -168,12 +168,23 @@ class Node:
         self.queued_s += req.pred_s
         self.queued_tokens += u
         self.queue.append(req)
-        if self.s.prefetch and c > l1 and self._reserve_pinned(req.hashes, l1, c - l1, now):
-            self._take_cached(req, l1, l12, pool, c, now)
-            req.prefetched = True
+        if self.s.prefetch:
+            self._prefetch(req, l1, l12, pool, c, now)
         if not self.busy:
             self._next_prefill(now)
         return u, t - u
+
+    def prefetch(self, req: SimRequest, now: float) -> bool:
+        """Fetches a queued request's cached blocks into L1 now (pinned until it runs), as
+        `enqueue` does with `settings.prefetch`; True if they are (being) fetched."""
+        if not req.prefetched and req in self.queue:
+            self._prefetch(req, *self.reach(req.hashes), now)
+        return req.prefetched
+
+    def _prefetch(self, req: SimRequest, l1: int, l12: int, pool: int, c: int, now: float) -> None:
+        if c > l1 and self._reserve_pinned(req.hashes, l1, c - l1, now):
+            self._take_cached(req, l1, l12, pool, c, now)
+            req.prefetched = True
 
     def _reserve_pinned(self, hashes: list[int], l1: int, need: int, now: float) -> bool:
         """Pins the prompt's `l1` leading L1 blocks, then reserves `need` more (the eviction
@@ -310,12 +321,14 @@ class Node:
         req.prefill_done = now
         self.env.prefilled(req)
 
-    def release(self, req: SimRequest, now: float) -> None:
-        """The request's KV has left this prefill node: unpin its prompt."""
+    def release(self, req: SimRequest, now: float, kick: bool = True) -> None:
+        """The request's KV has left this prefill node: unpin its prompt. `kick=False` leaves
+        the queue alone (the caller pins what it still needs first, then kicks)."""
         self.kv.unpin(req.hashes, now)
         self.kv.pinned -= req.pin_p
         req.pin_p = 0
-        self.kick(now)
+        if kick:
+            self.kick(now)
 
     def kick(self, now: float) -> None:
         """KV was released: a head waiting for it may now be admitted."""

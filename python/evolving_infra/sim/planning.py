@@ -1,10 +1,9 @@
-"""The planner's side of the loop: slices of what happened, and switches carried out.
+"""The planner's side of the loop: samples of the nodes, and switches carried out.
 
-`Slices` accumulates one `SliceStats` per planner tick: arrivals and their prompt tokens (with
-the cached and uncached split the prefill node estimated when they were queued), tokens decoded,
-and time averages of the nodes' state sampled every `sample_interval` (decode batch and context,
-prefill queue drain time, decode KV use by running requests, as an engine reports it). The
-planner sees the slices of the last `planner_window_s`.
+The planner's window (`planner.slices.Slices`, shared with the live router) is fed arrivals with
+the cached and uncached split the prefill node estimated when they were queued, tokens decoded,
+and samples of the nodes every `sample_interval` (`node_samples`: decode batch and context,
+prefill queue drain time, decode KV use by running requests, as an engine reports it).
 
 `Switcher` carries a planner's target split out (docs/simulator.md, "Phase switches"): the
 least loaded nodes of the phase that shrinks stop accepting work, drain (their running requests
@@ -15,81 +14,32 @@ The planner hears `switch_done()` once every node of the switch is back.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from evolving_infra.planner.base import Planner, SliceStats, Split, SwitchMode
+from evolving_infra.planner.base import Planner, Split, SwitchMode
+from evolving_infra.planner.slices import NodeSample
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.node import Node
 
 
-class Slices:
-    """Accumulates the current slice; `close` turns it into a `SliceStats`."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self.window: deque[SliceStats] = deque()
-        self._reset(0.0)
-
-    def _reset(self, start: float) -> None:
-        self.start = start
-        self.requests = self.prompt = self.uncached = self.cached = self.output = 0
-        self.samples = 0
-        self.batch_sum = 0.0  # Σ over samples of the mean batch per decode node
-        self.context_sum = 0.0  # Σ over samples of the total context decoding
-        self.decoding_sum = 0.0  # Σ over samples of the requests decoding
-        self.queue_sum = 0.0  # Σ over samples of the mean prefill queue (s)
-        self.kv_sum = 0.0  # Σ over samples of the mean decode KV use (0..1)
-
-    def arrival(self, prompt: int, uncached: int, cached: int) -> None:
-        self.requests += 1
-        self.prompt += prompt
-        self.uncached += uncached
-        self.cached += cached
-
-    def tokens(self, n: int) -> None:
-        self.output += n
-
-    def sample(self, nodes: Sequence[Node]) -> None:
-        decode = [n for n in nodes if n.phase == "decode" and n.state != "down"]
-        prefill = [n for n in nodes if n.phase == "prefill" and n.state != "down"]
-        self.samples += 1
-        if decode:
-            b = sum(len(n.batch) for n in decode)
-            self.decoding_sum += b
-            self.batch_sum += b / len(decode)
-            self.context_sum += sum(r.context for n in decode for r in n.batch)
-            # KV in use by running requests (an engine's token usage): the cache that fills the
-            # rest of L1 is evictable, so it is not counted.
-            self.kv_sum += sum(
-                min(n.kv.reserved + n.kv.pinned, n.kv.l1_capacity) / n.kv.l1_capacity
-                for n in decode
-            ) / len(decode)
-        if prefill:
-            self.queue_sum += sum(max(n.queued_s, 0.0) for n in prefill) / len(prefill)
-
-    def close(self, now: float) -> SliceStats:
-        k = max(self.samples, 1)
-        s = SliceStats(
-            start=self.start,
-            end=now,
-            requests=self.requests,
-            prompt_tokens=self.prompt,
-            uncached_tokens=self.uncached,
-            cached_tokens=self.cached,
-            output_tokens=self.output,
-            mean_decode_batch=self.batch_sum / k,
-            mean_context_tokens=self.context_sum / self.decoding_sum if self.decoding_sum else 0.0,
-            prefill_queue_s=self.queue_sum / k,
-            kv_utilization=self.kv_sum / k,
-            mean_input_tokens=self.prompt / self.requests if self.requests else 0.0,
+def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
+    """The simulator's nodes as the planner's slices sample them (nodes that are up)."""
+    out = []
+    for n in nodes:
+        if n.state == "down":
+            continue
+        kv = n.kv
+        out.append(
+            NodeSample(
+                phase=n.phase,
+                queued_prefill_s=n.queued_s,
+                decoding=len(n.batch),
+                context_tokens=sum(r.context for r in n.batch),
+                kv_used=min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity,
+            )
         )
-        self.window.append(s)
-        while self.window and self.window[0].end <= now - self.window_s:
-            self.window.popleft()
-        self._reset(now)
-        return s
+    return out
 
 
 @dataclass(slots=True)

@@ -1,0 +1,29 @@
+"""The simulated engine: the simulator's node mechanics behind SGLang's HTTP API, in real time.
+
+`SimEngine` (core.py) runs one `sim.node.Node` and its `sim.kv.NodeKv` under `RealTimeEnv`
+(env.py), an asyncio driver of the same `Env` protocol the discrete-event simulator implements;
+`http.py` serves SGLang 0.5.23's data API over it; `command.py` is `evolving-infra engine
+--backend sim`. See docs/simulator.md for the mechanics and core.py for the request lifecycle.
+"""
+
+from evolving_infra.engines.sim.cache import CacheEvents, KvEventSink, Medium
+from evolving_infra.engines.sim.core import EngineSettings, SimEngine
+from evolving_infra.engines.sim.env import EngineHooks, RealTimeEnv, SampleSink
+from evolving_infra.engines.sim.http import build_app
+from evolving_infra.engines.sim.requests import Bootstrap, GenerateError, GenerateSpec, LiveRequest
+
+__all__ = [
+    "Bootstrap",
+    "CacheEvents",
+    "EngineHooks",
+    "EngineSettings",
+    "GenerateError",
+    "GenerateSpec",
+    "KvEventSink",
+    "LiveRequest",
+    "Medium",
+    "RealTimeEnv",
+    "SampleSink",
+    "SimEngine",
+    "build_app",
+]

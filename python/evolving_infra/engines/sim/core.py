@@ -1,0 +1,616 @@
+"""`SimEngine`: one simulated engine node, the simulator's `Node` under a real-time driver.
+
+A request's life (SGLang's PD protocol, notes §1.2-1.5):
+- **mixed** (no bootstrap fields; prefill-phase engines only): queued and prefilled
+  (`Node.enqueue`, chunked iterations), then handed to its own decode batch (`Node.offer`,
+  waiting while its KV does not fit), one token per decode iteration.
+- **prefill** (bootstrap fields, prefill phase): queued and prefilled the same way; the prompt's
+  KV then stays pinned until the decode engine has pulled it: the decode side long-polls
+  `GET /_sim/kv/{room}` on this engine, waits the transfer time, then `POST
+  /_sim/kv/{room}/release`, and this engine `release`s the pins and answers its own `/generate`
+  with the first token. A decode side that never comes is given up after `kv_hold_timeout_s`.
+- **decode** (bootstrap fields, decode phase): admitted when its prompt + output KV fits
+  (`Node.offer`), pulls the KV from `bootstrap_host:bootstrap_port` (the prefill engine's HTTP
+  port) for bytes / `kv_bandwidth` simulated seconds, joins the batch (`Node.arrive`) and
+  streams one token per iteration. The first token is the prefill engine's.
+After decoding, the prompt and output pages stay cached (what `next_hashes` gives the node).
+
+Phase switch: stop accepting; queued requests not started and decode requests still waiting
+for KV room are handed back at once with 503 (the router retries them elsewhere: a switch must
+not wait behind a long queue); running ones finish; then `switch_seconds` pass and the node
+flips in place, keeping its KV unless asked not to. Durations in results are simulated seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+
+from evolving_infra._core import KvDirectory, block_hashes
+from evolving_infra.control.errors import (
+    CapacityError,
+    DrainTimeoutError,
+    EngineBusyError,
+    InvalidRequestError,
+    UnknownBlocksError,
+    UnsupportedError,
+)
+from evolving_infra.control.records import (
+    EngineInfo,
+    EvictionHints,
+    Health,
+    HintsResult,
+    IterationSample,
+    Phase,
+    PrefetchRequest,
+    PrefetchResult,
+    SwitchRequest,
+    SwitchResult,
+    TransferRequest,
+    TransferResult,
+)
+from evolving_infra.control.server import EngineControlService
+from evolving_infra.engines.sim.cache import CacheEvents, Hints, KvEventSink
+from evolving_infra.engines.sim.env import RealTimeEnv, SampleSink
+from evolving_infra.engines.sim.requests import (
+    BadRequestError,
+    GenerateError,
+    GenerateSpec,
+    KvPullError,
+    LiveRequest,
+    Mode,
+    OverloadedError,
+    planned_output,
+    sim_request,
+)
+from evolving_infra.sim.agents import SimRequest
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.kv import BlockParents, NodeKv
+from evolving_infra.sim.node import Node, NodeSettings, blocks_for
+from evolving_infra.timing.samples import Sample
+from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
+
+log = structlog.get_logger("evolving_infra.engines.sim")
+VERSION = "0.1.0-sim"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """One engine's parameters. Times are simulated seconds unless named `_real_s`."""
+
+    node_id: int = 0
+    phase: Phase = "prefill"
+    deployment: Deployment = DEFAULT_DEPLOYMENT
+    page_size: int = 16  # SGLang's page (tokens per KV block)
+    time_scale: float = 1.0  # simulated seconds per real second
+    seed: int = 0
+    noise: float = 0.02  # lognormal sigma of the ground truth's iteration times
+    l1_blocks: int | None = None  # None: from the GPU memory left after the weights
+    l2_blocks: int | None = None  # None: host memory pro rata (`SimConfig`)
+    chunk_tokens: int = 8192  # SGLang's chunked_prefill_size
+    kv_bandwidth: float | None = None  # P->D bytes/s; None: `SimConfig.pd_bandwidth`
+    l2_bandwidth: float | None = None  # host -> GPU bytes/s; None: `SimConfig.l2_bandwidth`
+    transfer_latency: float = 1e-3
+    switch_seconds: float = 6.2  # an in-place switch, once drained (docs/simulator.md)
+    prefetch: bool = True  # fetch a queued request's L2 blocks while it waits
+    max_requests: int = 1024  # in the engine at once; more get 503
+    max_new_tokens: int = 1 << 16
+    kv_hold_real_s: float = 60.0  # a prefill's KV waits this long for its decode side
+    drain_timeout_real_s: float = 600.0
+    http_url: str = ""
+    kv_events_endpoint: str = ""
+    kv_replay_endpoint: str = ""
+    samples_endpoint: str = ""
+
+    def config(self) -> SimConfig:
+        """The simulator's configuration of this deployment: capacities and bandwidths."""
+        tp = self.deployment.tp
+        return SimConfig(gpus=2 * tp, deployment=self.deployment, chunk_tokens=self.chunk_tokens)
+
+
+@dataclass(slots=True)
+class _Room:
+    ready: asyncio.Future[dict[str, Any]]
+    live: LiveRequest | None = None
+    hold: asyncio.TimerHandle | None = None
+
+
+class SimEngine(EngineControlService):
+    """Build inside a running event loop; `await start()` before serving, `close()` after."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        kv_sink: KvEventSink | None = None,
+        sample_sink: SampleSink | None = None,
+    ) -> None:
+        s = settings
+        if s.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {s.page_size}")
+        self.settings = s
+        self.loop = asyncio.get_running_loop()
+        c = s.config()
+        ps = s.page_size
+        self.block_bytes = c.block_bytes(ps)
+        self.kv_bytes_per_token = c.kv_bytes_per_token
+        self.kv_bandwidth = s.kv_bandwidth or c.pd_bandwidth
+        self.l2_bandwidth = s.l2_bandwidth or c.l2_bandwidth
+        l1 = s.l1_blocks if s.l1_blocks is not None else c.l1_blocks(ps)
+        l2 = s.l2_blocks if s.l2_blocks is not None else c.l2_blocks(ps)
+        self.directory = KvDirectory()
+        self.parents = BlockParents()
+        self.events = CacheEvents(ps, kv_sink)
+        self.kv = NodeKv(s.node_id, self.directory, self.parents, l1, l2, listener=self.events)
+        self.hints = Hints(self.directory, self.parents, self.events)
+        self.env = RealTimeEnv(
+            s.deployment, self, time_scale=s.time_scale, noise=s.noise, seed=s.seed,
+            sink=sample_sink, loop=self.loop,
+        )  # fmt: skip
+        node_settings = NodeSettings(
+            block_size=ps,
+            block_bytes=self.block_bytes,
+            chunk_tokens=s.chunk_tokens,
+            span_cap=1,  # one token per event: every streamed token has its own time
+            l2_bandwidth=self.l2_bandwidth,
+            pool_bandwidth=self.kv_bandwidth,
+            net_bandwidth=self.kv_bandwidth,
+            shared_pool=False,  # one node: only its own L1 and L2
+            prefetch=s.prefetch,
+        )
+        self.node = Node(s.node_id, s.phase, self.kv, self.directory, node_settings, self.env)
+        self._live: dict[str, LiveRequest] = {}
+        self._by_sim: dict[int, LiveRequest] = {}
+        self._rooms: dict[int, _Room] = {}
+        self._ids = itertools.count()
+        self._changed = asyncio.Event()
+        self._switching = False
+        self._closed = False
+        self._streams: set[asyncio.Queue[IterationSample | None]] = set()
+        self._http: aiohttp.ClientSession | None = None
+        self.completed = self.failed = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def close(self) -> None:
+        self._closed = True
+        now = self.env.now
+        for live in list(self._live.values()):
+            live.fail(OverloadedError("the engine is shutting down"), now)
+            if live.task is not None:
+                live.task.cancel()
+        for q in self._streams:
+            q.put_nowait(None)
+        if self._http is not None:
+            await self._http.close()
+
+    @property
+    def phase(self) -> Phase:
+        return self.node.phase
+
+    @property
+    def active(self) -> int:
+        return len(self._live)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def accept(self, spec: GenerateSpec) -> LiveRequest:
+        """Takes a request in (raises `GenerateError` if refused); await its `LiveRequest`."""
+        s, node, now = self.settings, self.node, self.env.now
+        if self._closed or not node.accepting:
+            raise OverloadedError(f"engine {s.node_id} is {node.state}: retry another engine")
+        if len(self._live) >= s.max_requests:
+            raise OverloadedError(f"engine {s.node_id} has {s.max_requests} requests already")
+        if spec.rid in self._live:
+            raise BadRequestError(f"request id {spec.rid!r} is already running")
+        if not 1 <= spec.max_new_tokens <= s.max_new_tokens:
+            raise BadRequestError(f"max_new_tokens must be in [1, {s.max_new_tokens}]")
+        if not spec.input_ids:
+            raise BadRequestError("the prompt is empty")
+        b = spec.bootstrap
+        mode: Mode = "mixed" if b is None else node.phase
+        if mode == "mixed" and node.phase == "decode":
+            raise BadRequestError("a decode engine needs bootstrap_host, bootstrap_port, ...room")
+        t, out = len(spec.input_ids), spec.max_new_tokens
+        need = blocks_for(t if mode == "prefill" else t + out, s.page_size)
+        if need > self.kv.l1_capacity:
+            raise BadRequestError(f"{need} KV blocks never fit in {self.kv.l1_capacity}")
+        room: _Room | None = None
+        if mode == "prefill":
+            assert b is not None
+            room = self._rooms.setdefault(b.room, _Room(self.loop.create_future()))
+            if room.live is not None or room.ready.done():
+                raise BadRequestError(f"bootstrap_room {b.room} is already in use")
+        hashes = block_hashes(spec.input_ids, s.page_size)
+        sim = sim_request(next(self._ids), hashes, t, out)
+        live = LiveRequest(
+            spec.rid, sim, spec.input_ids, planned_output(s.seed, spec.input_ids, out),
+            mode, b, now,
+        )  # fmt: skip
+        if hashes:
+            self.parents.register(hashes)
+            self.events.learn(hashes, spec.input_ids)
+            # A live branch: its blocks sort after unneeded ones, so pins hold (cache.py).
+            self.directory.branch_set(_branch(sim), hashes)
+        self._live[spec.rid] = live
+        self._by_sim[sim.id] = live
+        if room is not None:
+            room.live = live
+        if mode == "decode":
+            if node.offer(sim, now):
+                self.start_transfer(sim)
+        else:
+            node.enqueue(sim, now)
+        return live
+
+    def _done(self, live: LiveRequest, error: GenerateError | None = None) -> None:
+        now = self.env.now
+        if error is None:
+            live.finish(now)
+            self.completed += 1
+        else:
+            live.fail(error, now)
+            self.failed += 1
+        self._live.pop(live.rid, None)
+        self._by_sim.pop(live.sim.id, None)
+        if live.sim.hashes:
+            self.directory.branch_end(_branch(live.sim))
+        self._changed.set()
+
+    # -- PD: the prefill side -----------------------------------------------------------------
+
+    async def wait_prefilled(self, room_id: int, timeout_real_s: float) -> dict[str, Any]:
+        """The `GET /_sim/kv/{room}` long poll: once the room's prefill is done, what the
+        decode side needs (raises `GenerateError` on timeout or if the prefill failed)."""
+        if self.node.phase != "prefill" and room_id not in self._rooms:
+            raise BadRequestError(f"engine {self.settings.node_id} is not a prefill engine")
+        room = self._rooms.setdefault(room_id, _Room(self.loop.create_future()))
+        try:
+            return await asyncio.wait_for(asyncio.shield(room.ready), timeout_real_s)
+        except TimeoutError:
+            if room.live is None and self._rooms.get(room_id) is room:
+                del self._rooms[room_id]  # no prefill request ever came for it
+            raise GenerateError(f"room {room_id}: no prefill within the poll", 504) from None
+
+    def release_room(self, room_id: int, error: GenerateError | None = None) -> bool:
+        """The decode side has the KV (or gave up): unpin it and answer the prefill request."""
+        room = self._rooms.pop(room_id, None)
+        if room is None or room.live is None or not room.ready.done():
+            return False
+        if room.hold is not None:
+            room.hold.cancel()
+        live = room.live
+        self.node.release(live.sim, self.env.now)
+        if error is None:
+            live.emit(1)
+        self._done(live, error)
+        return True
+
+    def _fail_room(self, live: LiveRequest, error: GenerateError) -> None:
+        assert live.bootstrap is not None
+        room = self._rooms.pop(live.bootstrap.room, None)
+        if room is not None and not room.ready.done():
+            room.ready.set_exception(error)
+            room.ready.exception()  # retrieved: the pollers (if any) see it; no loop warning
+
+    # -- PD: the decode side ------------------------------------------------------------------
+
+    async def _pull(self, live: LiveRequest) -> None:
+        b, sim, http = live.bootstrap, live.sim, self._http
+        assert b is not None
+        host = f"[{b.host}]" if ":" in b.host else b.host
+        base = f"http://{host}:{b.port}/_sim/kv/{b.room}"
+        try:
+            if http is None:
+                raise KvPullError("the engine is not started")
+            poll = self.settings.kv_hold_real_s
+            async with http.get(base, params={"timeout": str(poll)}) as r:
+                body = await r.json(content_type=None)
+                if not isinstance(body, dict):
+                    raise KvPullError(f"prefill engine {b.host}:{b.port}: not a KV handoff")
+                if r.status != 200:
+                    message = body.get("error", {}).get("message", "") if body else ""
+                    raise KvPullError(f"prefill engine {b.host}:{b.port}: {r.status} {message}")
+            moved = max(sim.prompt_tokens - sim.h_d * self.settings.page_size, 0)
+            seconds = self.settings.transfer_latency + moved * self.kv_bytes_per_token / (
+                self.kv_bandwidth
+            )
+            await asyncio.sleep(self.env.real_seconds(seconds))
+            async with http.post(base + "/release") as r:
+                await r.read()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # whatever went wrong, the request fails and its KV is freed
+            error = e if isinstance(e, GenerateError) else KvPullError(f"KV pull from {base}: {e}")
+            self._abort_admitted(live, error)
+            return
+        live.cached_tokens = int(body.get("cached_tokens", 0))
+        if body.get("first_token") is not None:
+            live.planned[0] = int(body["first_token"])
+        self._arrive(sim)
+
+    def _abort_admitted(self, live: LiveRequest, error: GenerateError) -> None:
+        """Undoes a decode admission whose KV never came (the inverse of `Node.offer`'s
+        reservation; the simulator never needs it: its transfers cannot fail)."""
+        sim, node, kv, now = live.sim, self.node, self.kv, self.env.now
+        kv.unpin(sim.hashes[: sim.h_d], now)
+        kv.pinned -= sim.pin_d
+        kv.reserved -= sim.res_d
+        sim.pin_d = sim.res_d = 0
+        node.inbound -= 1
+        self._done(live, error)
+        node.admit_waiting(now)
+        self._changed.set()
+
+    def _arrive(self, sim: SimRequest) -> None:
+        live = self._by_sim.get(sim.id)
+        if live is None:
+            return
+        live.emit(1)  # the first token, computed by the prefill
+        self.node.arrive(sim, self.env.now)
+
+    # -- `env.EngineHooks` --------------------------------------------------------------------
+
+    def prefilled(self, req: SimRequest) -> None:
+        live = self._by_sim[req.id]
+        live.cached_tokens = req.prompt_tokens - req.uncached
+        now, node = self.env.now, self.node
+        if live.mode == "prefill":
+            assert live.bootstrap is not None
+            room_id = live.bootstrap.room
+            room = self._rooms[room_id]
+            room.ready.set_result(
+                {"room": room_id, "prompt_tokens": req.prompt_tokens,
+                 "cached_tokens": live.cached_tokens, "first_token": live.planned[0],
+                 "blocks": len(req.hashes), "node_id": self.settings.node_id}
+            )  # fmt: skip
+            room.hold = self.loop.call_later(
+                self.settings.kv_hold_real_s, self._hold_expired, room_id
+            )
+            return
+        # Mixed: its own decode. The prefill's pins go first (an unpin touches the chain and
+        # would undo the decode's pin), the queue is kicked once the decode holds its KV.
+        node.release(req, now, kick=False)
+        if node.offer(req, now):
+            self.start_transfer(req)
+        node.kick(now)
+
+    def _hold_expired(self, room_id: int) -> None:
+        error = GenerateError(f"room {room_id}: no decode engine pulled the KV in time", 504)
+        self.release_room(room_id, error)
+
+    def start_transfer(self, req: SimRequest) -> None:
+        live = self._by_sim[req.id]
+        if live.mode == "decode":
+            live.task = self.loop.create_task(self._pull(live))
+        else:  # its own KV: no transfer, but not inside the node's callback either
+            self.env.at(self.env.now, self._arrive, req)
+
+    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None:
+        for r in self.node.batch:
+            live = self._by_sim.get(r.id)
+            if live is not None:
+                live.emit(iterations)
+
+    def decoded(self, req: SimRequest) -> None:
+        live = self._by_sim.get(req.id)
+        if live is not None:
+            self._done(live)
+        if live is None or live.mode == "mixed":
+            # Its KV is unpinned: a prefill head waiting for room may fit now. (The simulator
+            # never needs this: there, prefill and decode nodes are distinct.) Soon, not
+            # now: the node is still inside its span's bookkeeping.
+            self.loop.call_soon(self._kick)
+
+    def _kick(self) -> None:
+        self.node.kick(self.env.now)
+
+    def next_hashes(self, req: SimRequest) -> list[int] | None:
+        live = self._by_sim.get(req.id)
+        if live is None:
+            return None
+        ids = live.input_ids + live.planned
+        hashes = block_hashes(ids, self.settings.page_size)
+        self.events.learn(hashes, ids)
+        return hashes
+
+    def changed(self, node: Node) -> None:
+        self._changed.set()
+
+    # -- engine control -----------------------------------------------------------------------
+
+    async def get_info(self) -> EngineInfo:
+        s, kv = self.settings, self.kv
+        return EngineInfo(
+            node_id=s.node_id,
+            model=s.deployment.model.name,
+            backend="sim",
+            phase=self.node.phase,
+            page_size=s.page_size,
+            l1_capacity_blocks=kv.l1_capacity,
+            l2_capacity_blocks=kv.l2_capacity,
+            l1_used_blocks=min(kv.used, kv.l1_capacity),
+            l2_used_blocks=kv.l2_held,
+            http_url=s.http_url,
+            kv_events_endpoint=s.kv_events_endpoint,
+            kv_replay_endpoint=s.kv_replay_endpoint,
+            samples_endpoint=s.samples_endpoint,
+            version=VERSION,
+        )
+
+    async def health(self) -> Health:
+        state = self.node.state
+        if self._closed:
+            return Health("down", self.node.phase, "shutting down")
+        if state == "draining":
+            return Health("draining", self.node.phase, "draining for a phase switch")
+        if state == "down":
+            return Health("switching", self.node.phase, "switching phase")
+        return Health("serving", self.node.phase)
+
+    async def switch_phase(self, request: SwitchRequest) -> SwitchResult:
+        if self._switching:
+            raise EngineBusyError("a phase switch is already in progress")
+        self._switching = True
+        node, s, scale = self.node, self.settings, self.env.scale
+        previous, started = node.phase, self.loop.time()
+        node.state = "draining"
+        try:
+            now = self.env.now
+            handed = node.take_queued(now) + node.take_waiting()
+            for sim in handed:
+                live = self._by_sim.get(sim.id)
+                if live is not None:
+                    error = OverloadedError(f"engine {s.node_id} is switching phase: retry")
+                    if live.mode == "prefill":
+                        self._fail_room(live, error)
+                    self._done(live, error)
+            timeout = (request.drain_timeout_s / scale) or s.drain_timeout_real_s
+            deadline = started + timeout
+            while self._live or not node.drained():
+                left = deadline - self.loop.time()
+                if left <= 0:
+                    raise DrainTimeoutError(f"still {len(self._live)} requests after drain")
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+            drained = self.loop.time()
+            node.state = "down"
+            await asyncio.sleep(s.switch_seconds / scale)
+            node.phase = request.target
+            if not request.keep_kv:
+                self.hints.apply([], replace=True)
+                self.kv.clear()
+        finally:
+            node.state = "active"
+            self._switching = False
+        end = self.loop.time()
+        log.info("phase_switched", node=s.node_id, phase=node.phase, previous=previous)
+        return SwitchResult(
+            phase=node.phase,
+            previous_phase=previous,
+            drain_s=(drained - started) * scale,
+            switch_s=(end - drained) * scale,
+            total_s=(end - started) * scale,
+            l1_blocks_kept=self.kv.l1_held,
+            l2_blocks_kept=self.kv.l2_held,
+        )
+
+    async def transfer_kv(self, request: TransferRequest) -> TransferResult:
+        """Pulls a chain (from its first page) into this node's L1: from its own L2, or from
+        another node or the pool, whose holdings the caller vouches for (the router's
+        directory knows them; this engine cannot check)."""
+        src, dst, me = request.source, request.destination, self.settings.node_id
+        if dst.tier != "L1" or dst.node_id != me:
+            raise UnsupportedError("the simulated engine only pulls KV into its own L1")
+        hashes = list(request.hashes)
+        l1, l12 = self.directory.match(hashes).nodes.get(me, (0, 0))
+        if src.node_id == me and src.tier == "L2":
+            available, bandwidth = l12, self.l2_bandwidth
+        elif src.node_id == me:
+            raise InvalidRequestError("TransferKV: L1 to L1 of the same node moves nothing")
+        else:
+            available, bandwidth = len(hashes), self.kv_bandwidth
+        missing = hashes[available:]
+        if missing and not request.allow_partial:
+            raise UnknownBlocksError(f"the source lacks {len(missing)} of the blocks", missing)
+        moved = max(available - l1, 0)
+        seconds = self.settings.transfer_latency + moved * self.block_bytes / bandwidth
+        await asyncio.sleep(self.env.real_seconds(seconds))
+        now = self.env.now
+        l1 = self.directory.match(hashes).nodes.get(me, (0, 0))[0]  # it may have changed
+        chain = hashes[l1:available]
+        if chain:
+            self.parents.register(hashes[:available])
+            if not self.kv.reserve(len(chain), now):
+                raise CapacityError(f"no room for {len(chain)} blocks in L1")
+            self.kv.store(chain, hashes[l1 - 1] if l1 else None, now)
+            self.kv.reserved -= len(chain)
+        return TransferResult(len(chain), len(chain) * self.block_bytes, seconds, tuple(missing))
+
+    async def prefetch(self, request: PrefetchRequest) -> PrefetchResult:
+        """Fetches a queued request's L2 blocks into L1 (this engine has no pool of its own:
+        `source="pool"` reads the same host tier)."""
+        live = self._live.get(request.request_id)
+        if live is None or live.sim not in self.node.queue:
+            raise InvalidRequestError(f"request {request.request_id!r} is not queued here")
+        sim, now, me = live.sim, self.env.now, self.settings.node_id
+        l1, l12 = self.directory.match(list(request.hashes)).nodes.get(me, (0, 0))
+        missing = tuple(request.hashes[l12:])
+        if missing and not request.allow_partial:
+            raise UnknownBlocksError(f"{len(missing)} blocks are in no tier here", missing)
+        was = sim.prefetched
+        if not self.node.prefetch(sim, now):
+            return PrefetchResult(0, 0, 0.0, missing)
+        started = 0 if was else max(sim.cached_blocks - l1, 0)
+        seconds = max(sim.fetch_ready - now, 0.0)
+        if request.wait and seconds > 0:
+            await asyncio.sleep(self.env.real_seconds(seconds))
+            seconds = 0.0
+        return PrefetchResult(started, started if seconds == 0 else 0, seconds, missing)
+
+    async def set_eviction_hints(self, request: EvictionHints) -> HintsResult:
+        applied, ignored = self.hints.apply(request.hints, request.replace)
+        return HintsResult(applied, ignored)
+
+    async def iteration_samples(self) -> AsyncGenerator[IterationSample, None]:
+        q: asyncio.Queue[IterationSample | None] = asyncio.Queue(maxsize=4096)
+
+        def put(seq: int, wall: float, sample: Sample) -> None:
+            if not q.full():  # a slow subscriber loses samples, never stalls the engine
+                q.put_nowait(IterationSample.from_sample(sample, seq=seq, timestamp_s=wall))
+
+        self._streams.add(q)
+        stop = self.env.subscribe(put)
+        try:
+            while (item := await q.get()) is not None:
+                yield item
+        finally:
+            stop()
+            self._streams.discard(q)
+
+    # -- views --------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What `/server_info` reports under `internal_states`."""
+        node, kv = self.node, self.kv
+        return {
+            "phase": node.phase,
+            "state": node.state,
+            "num_running_reqs": len(node.batch) + len(node.running),
+            "num_waiting_reqs": len(node.queue) + len(node.waiting),
+            "num_requests": len(self._live),
+            "l1_capacity_blocks": kv.l1_capacity,
+            "l1_held_blocks": kv.l1_held,
+            "l1_reserved_blocks": kv.reserved,
+            "l1_pinned_blocks": kv.pinned,
+            "l2_capacity_blocks": kv.l2_capacity,
+            "l2_held_blocks": kv.l2_held,
+            "evicted_blocks": kv.evicted,
+            "demoted_blocks": kv.demoted,
+            "dropped_blocks": kv.dropped,
+            "completed": self.completed,
+            "failed": self.failed,
+            "iterations": self.env.seq,
+            "simulated_time_s": self.env.now,
+            "wall_time": time.time(),
+        }
+
+    def holdings(self) -> dict[str, set[int]]:
+        """The blocks this node holds per tier, from its KV events' point of view."""
+        return {tier: set(held) for tier, held in self.events.held.items()}
+
+
+def _branch(sim: SimRequest) -> str:
+    return f"req:{sim.id}"

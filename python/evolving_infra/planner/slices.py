@@ -1,0 +1,92 @@
+"""The planner's window: one `SliceStats` per planner tick, accumulated by a driver.
+
+Both drivers (the simulator and the live router) feed the same accumulator: arrivals with the
+cached/uncached split estimated when the request was placed, output tokens as they are decoded,
+and periodic samples of the nodes (`NodeSample`s, which each driver builds from its own view of
+a node). The planner sees the slices of the last `window_s` seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from evolving_infra.planner.base import SliceStats
+from evolving_infra.routing.base import Phase
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSample:
+    """One node that is up (not switching, not restarting), at one sampling instant."""
+
+    phase: Phase
+    queued_prefill_s: float  # predicted seconds of prefill work queued (prefill nodes)
+    decoding: int  # requests in the running decode batch (decode nodes)
+    context_tokens: int  # their total context
+    # KV in use by running requests, 0..1 (an engine's token usage): the cache that fills the
+    # rest of L1 is evictable, so it is not counted.
+    kv_used: float
+
+
+class Slices:
+    """Accumulates the current slice; `close` turns it into a `SliceStats`."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.window: deque[SliceStats] = deque()
+        self._reset(0.0)
+
+    def _reset(self, start: float) -> None:
+        self.start = start
+        self.requests = self.prompt = self.uncached = self.cached = self.output = 0
+        self.samples = 0
+        self.batch_sum = 0.0  # Σ over samples of the mean batch per decode node
+        self.context_sum = 0.0  # Σ over samples of the total context decoding
+        self.decoding_sum = 0.0  # Σ over samples of the requests decoding
+        self.queue_sum = 0.0  # Σ over samples of the mean prefill queue (s)
+        self.kv_sum = 0.0  # Σ over samples of the mean decode KV use (0..1)
+
+    def arrival(self, prompt: int, uncached: int, cached: int) -> None:
+        self.requests += 1
+        self.prompt += prompt
+        self.uncached += uncached
+        self.cached += cached
+
+    def tokens(self, n: int) -> None:
+        self.output += n
+
+    def sample(self, nodes: Sequence[NodeSample]) -> None:
+        decode = [n for n in nodes if n.phase == "decode"]
+        prefill = [n for n in nodes if n.phase == "prefill"]
+        self.samples += 1
+        if decode:
+            b = sum(n.decoding for n in decode)
+            self.decoding_sum += b
+            self.batch_sum += b / len(decode)
+            self.context_sum += sum(n.context_tokens for n in decode)
+            self.kv_sum += sum(n.kv_used for n in decode) / len(decode)
+        if prefill:
+            self.queue_sum += sum(max(n.queued_prefill_s, 0.0) for n in prefill) / len(prefill)
+
+    def close(self, now: float) -> SliceStats:
+        k = max(self.samples, 1)
+        s = SliceStats(
+            start=self.start,
+            end=now,
+            requests=self.requests,
+            prompt_tokens=self.prompt,
+            uncached_tokens=self.uncached,
+            cached_tokens=self.cached,
+            output_tokens=self.output,
+            mean_decode_batch=self.batch_sum / k,
+            mean_context_tokens=self.context_sum / self.decoding_sum if self.decoding_sum else 0.0,
+            prefill_queue_s=self.queue_sum / k,
+            kv_utilization=self.kv_sum / k,
+            mean_input_tokens=self.prompt / self.requests if self.requests else 0.0,
+        )
+        self.window.append(s)
+        while self.window and self.window[0].end <= now - self.window_s:
+            self.window.popleft()
+        self._reset(now)
+        return s

@@ -1,0 +1,249 @@
+"""The router daemon: the live driver of the policies (DESIGN §1).
+
+Start-up asks every engine's control service (`--engines`) what it is (`GetInfo`: node id,
+phase, page size, capacities, data URL, KV-event and sample endpoints), then wires:
+
+- one cluster `KvDirectory`, fed by an `EventIngestor` (SGLang's KV events, gaps repaired from
+  each engine's replay endpoint) and read by routing and the branch API;
+- one `IterationModel`, fitted online from every engine's forward-pass samples
+  (`SampleIngestor`);
+- the `evolving` router policy and a `PdDispatcher` sending each request to a prefill and a
+  decode engine with SGLang's PD protocol;
+- the HTTP front end (`app.build_app`);
+- a health loop (each engine's `Health` every `health_interval` s: phase changes and engines
+  going down or coming back reach the dispatcher) and the planner loop (`planning.LivePlanner`).
+
+Nothing here decides anything: decisions are the policies' (routing/, planner/), which the
+simulator drives too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from evolving_infra._core import KvDirectory
+from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
+from evolving_infra.router.app import build_app, serve
+from evolving_infra.router.branches import BranchTracker
+from evolving_infra.router.config import RouterConfig
+from evolving_infra.router.ingest import EventIngestor, SampleIngestor
+from evolving_infra.router.metrics import RouterMetrics
+from evolving_infra.router.pd import EngineHandle, PdDispatcher
+from evolving_infra.router.planning import LivePlanner
+from evolving_infra.router.tokenize import load_tokenizer
+from evolving_infra.routing.evolving import EvolvingRouter
+from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.samples import Sample
+from evolving_infra.timing.specs import LLAMA3_70B, MODELS
+
+log = structlog.get_logger("evolving_infra.router.daemon")
+
+HEALTH_INTERVAL_S = 1.0
+DISCOVERY_TIMEOUT_S = 10.0
+
+
+class RouterStartError(RuntimeError):
+    """The daemon cannot start: an engine is unreachable or the engines disagree with the
+    configuration (the message names the engine and the field)."""
+
+
+@dataclass(slots=True)
+class _Engine:
+    address: str
+    client: EngineClient
+    info: EngineInfo
+
+
+def handle_of(info: EngineInfo) -> EngineHandle:
+    """The dispatcher's view of an engine. Its PD bootstrap address is its data address: the
+    simulated engine serves the KV hand-off on its HTTP port."""
+    url = urlsplit(info.http_url)
+    if not url.hostname or url.port is None:
+        raise RouterStartError(
+            f"engine {info.node_id}: http_url {info.http_url!r} has no host:port"
+        )
+    return EngineHandle(
+        node=info.node_id,
+        http_url=info.http_url.rstrip("/"),
+        phase=info.phase,
+        bootstrap_host=url.hostname,
+        bootstrap_port=url.port,
+        kv_capacity_blocks=info.l1_capacity_blocks,
+    )
+
+
+async def discover(addresses: Sequence[str], page_size: int) -> list[_Engine]:
+    """`GetInfo` from every engine; all must answer, agree on the page size and have distinct
+    node ids."""
+    clients = [EngineClient(a, timeout=DISCOVERY_TIMEOUT_S) for a in addresses]
+    results = await asyncio.gather(*(c.get_info() for c in clients), return_exceptions=True)
+    engines, problems = [], []
+    for address, client, info in zip(addresses, clients, results, strict=True):
+        if isinstance(info, BaseException):
+            problems.append(f"{address}: {info}")
+        elif info.page_size != page_size:
+            problems.append(
+                f"{address}: page size {info.page_size}, the router's --page-size is {page_size}"
+                " (block hashes would not match the engine's KV events)"
+            )
+        else:
+            engines.append(_Engine(address, client, info))
+    nodes = [e.info.node_id for e in engines]
+    if len(set(nodes)) != len(nodes):
+        problems.append(f"node ids must be distinct, got {sorted(nodes)}")
+    if problems:
+        await asyncio.gather(*(c.close() for c in clients))
+        raise RouterStartError("engines: " + "; ".join(problems))
+    return engines
+
+
+class RouterDaemon:
+    """Everything the `router` command runs; `start()` then `wait()`, `stop()` on shutdown."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.directory = KvDirectory()
+        self.engines: dict[int, _Engine] = {}
+        self.model = IterationModel()
+        self.metrics = RouterMetrics()
+        self.events: EventIngestor | None = None
+        self.samples: SampleIngestor | None = None
+        self.dispatcher: PdDispatcher | None = None
+        self.planner: LivePlanner | None = None
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        cfg = self.config
+        found = await discover([e.address for e in cfg.engines], cfg.page_size)
+        self.engines = {e.info.node_id: e for e in found}
+        spec = MODELS.get(found[0].info.model, LLAMA3_70B)
+        loop = asyncio.get_running_loop()
+
+        def on_sample(node: int, sample: Sample) -> None:
+            # Called on the ingestion thread: the model belongs to the event loop.
+            loop.call_soon_threadsafe(self._observe, node, sample)
+
+        self.events = EventIngestor(self.directory)
+        self.samples = SampleIngestor(on_sample)
+        for e in found:
+            i = e.info
+            if i.kv_events_endpoint:
+                self.events.add_engine(
+                    i.node_id, i.kv_events_endpoint, i.kv_replay_endpoint or None
+                )
+            if i.samples_endpoint:
+                self.samples.add_engine(i.node_id, i.samples_endpoint)
+        router = EvolvingRouter(
+            self.model, block_size=cfg.page_size, kv_bytes_per_token=spec.kv_bytes_per_token
+        )
+        self._session = aiohttp.ClientSession()
+        self.dispatcher = PdDispatcher(
+            [handle_of(e.info) for e in found],
+            self.directory,
+            router,
+            self.model,
+            page_size=cfg.page_size,
+            session=self._session,
+        )
+        self.planner = LivePlanner(
+            self.dispatcher,
+            {n: e.client for n, e in self.engines.items()},
+            self.model,
+            interval=cfg.planner_interval,
+            enabled=cfg.planner,
+        )
+        self.dispatcher.slices = self.planner.slices
+        app = build_app(
+            self.dispatcher,
+            BranchTracker(self.directory, cfg.branch_ttl),
+            load_tokenizer(cfg.tokenizer),
+            self.metrics,
+            page_size=cfg.page_size,
+            models=cfg.models,
+            max_body_bytes=cfg.max_body_bytes,
+        )
+        self.runner = await serve(app, cfg.host, cfg.port)
+        addresses = self.runner.addresses
+        self.port = int(addresses[0][1]) if addresses else cfg.port
+        self._tasks = [
+            asyncio.create_task(self._health_loop(), name="health"),
+            asyncio.create_task(self.planner.run(), name="planner"),
+        ]
+        log.info(
+            "router_serving",
+            host=cfg.host,
+            port=self.port,
+            engines={n: f"{e.info.phase}@{e.address}" for n, e in sorted(self.engines.items())},
+        )
+
+    def _observe(self, node: int, sample: Sample) -> None:
+        try:
+            self.model.observe(sample)
+        except ValueError as e:  # an absurd sample is the engine's bug, not a reason to stop
+            log.warning("sample_rejected", node=node, reason=str(e))
+
+    async def _health_loop(self) -> None:
+        assert self.dispatcher is not None
+        while True:
+            await asyncio.gather(*(self._check(n, e) for n, e in self.engines.items()))
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _check(self, node: int, engine: _Engine) -> None:
+        d = self.dispatcher
+        assert d is not None
+        if self.planner is not None and self.planner.switching(node):
+            return  # the planner owns a switching node's state until its switch returns
+        try:
+            h = await engine.client.health(timeout=HEALTH_INTERVAL_S)
+        except EngineControlError as e:
+            d.set_state(node, "down", str(e))
+            return
+        d.set_phase(node, h.phase)
+        d.set_state(
+            node,
+            "up" if h.state == "serving" else "draining" if h.state != "down" else "down",
+            h.reason,
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Counters for logs and tests: ingestion, planner, engines."""
+        out: dict[str, Any] = {}
+        if self.events is not None:
+            out["events"] = self.events.snapshot()
+        if self.samples is not None:
+            out["samples"] = self.samples.snapshot()
+        if self.planner is not None:
+            out["switches"] = list(self.planner.switches)
+        return out
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        for ingestor in (self.events, self.samples):
+            if ingestor is not None:
+                ingestor.close()
+        await asyncio.gather(*(e.client.close() for e in self.engines.values()))
+        self._stopped.set()

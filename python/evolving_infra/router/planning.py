@@ -1,0 +1,165 @@
+"""The live planner loop: the router's driver of the phase-split planner (DESIGN §3).
+
+Every `sample_interval` seconds the nodes are sampled into the planner's window (the same
+`planner.slices.Slices` the simulator feeds; arrivals and decoded tokens come from the
+dispatcher); every `interval` seconds the slice is closed and the `evolving` planner decides.
+A decision becomes `SwitchPhase` calls on the chosen engines: they stop getting new requests
+at once (the dispatcher marks them draining), drain, flip in place keeping their KV, and come
+back in the new phase. The planner hears `switch_done()` when every engine of the switch has
+answered, so no new decision is made while one is in flight.
+
+Which nodes move: those of the shrinking phase with the least work in flight (the least to
+drain), as the simulator's `Switcher` picks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from evolving_infra.control import EngineClient, EngineControlError
+from evolving_infra.planner.base import Split
+from evolving_infra.planner.evolving import EvolvingPlanner
+from evolving_infra.planner.slices import NodeSample, Slices
+from evolving_infra.router.pd import PdDispatcher
+from evolving_infra.routing.base import Phase
+from evolving_infra.timing.model import IterationModel
+
+log = structlog.get_logger("evolving_infra.router.planning")
+
+SAMPLE_INTERVAL_S = 1.0
+DRAIN_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchRecord:
+    """One engine's finished (or failed) switch."""
+
+    node: int
+    to: Phase
+    ok: bool
+    drain_s: float = 0.0
+    switch_s: float = 0.0
+    reason: str = ""
+
+
+class LivePlanner:
+    """Samples, decides and carries switches out (see the module docstring)."""
+
+    def __init__(
+        self,
+        dispatcher: PdDispatcher,
+        clients: Mapping[int, EngineClient],
+        model: IterationModel,
+        *,
+        interval: float = 60.0,
+        window_s: float = 600.0,
+        sample_interval: float = SAMPLE_INTERVAL_S,
+        enabled: bool = True,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.clients = dict(clients)
+        self.model = model
+        self.interval = interval
+        self.sample_interval = min(sample_interval, interval)
+        self.enabled = enabled
+        self.slices = Slices(window_s)
+        self.planner = EvolvingPlanner(len(self.clients), interval=interval, window_s=window_s)
+        self.switches: list[SwitchRecord] = []
+        self._switching: set[int] = set()
+
+    def switching(self, node: int) -> bool:
+        return node in self._switching
+
+    def split(self) -> Split:
+        up = [e for e in self.dispatcher.engines.values() if e.state == "up"]
+        return Split(sum(e.phase == "prefill" for e in up), sum(e.phase == "decode" for e in up))
+
+    def node_samples(self) -> list[NodeSample]:
+        d = self.dispatcher
+        out = []
+        for e in d.engines.values():
+            if e.state == "down":
+                continue
+            load = d.loads.loads.get(e.node)
+            out.append(
+                NodeSample(
+                    phase=e.phase,
+                    queued_prefill_s=load.queued_prefill_s if load else 0.0,
+                    decoding=load.decode_requests if load else 0,
+                    context_tokens=load.decode_context if load else 0,
+                    kv_used=min(load.kv_used_blocks / e.kv_capacity_blocks, 1.0)
+                    if load and e.kv_capacity_blocks
+                    else 0.0,
+                )
+            )
+        return out
+
+    async def run(self) -> None:
+        start = time.monotonic()
+        self.slices.start = start
+        next_tick = start + self.interval
+        while True:
+            await asyncio.sleep(self.sample_interval)
+            self.slices.sample(self.node_samples())
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + self.interval
+                self.tick(now)
+
+    def tick(self, now: float) -> None:
+        """Closes the slice and, when enabled and no switch is in flight, asks the planner."""
+        self.slices.close(now)
+        if not self.enabled or self._switching:
+            return
+        current = self.split()
+        target = self.planner.decide(now, current, list(self.slices.window), self.model)
+        if target is None or target == current:
+            return
+        to: Phase = "prefill" if target.prefill > current.prefill else "decode"
+        source: Phase = "decode" if to == "prefill" else "prefill"
+        n = abs(target.prefill - current.prefill)
+        loads = self.dispatcher.loads.loads
+        movable = sorted(
+            (e for e in self.dispatcher.engines.values() if e.state == "up" and e.phase == source),
+            key=lambda e: (loads[e.node].in_flight if e.node in loads else 0.0, e.node),
+        )[:n]
+        if not movable:
+            self.planner.switch_done()
+            return
+        log.info(
+            "switch", current=str(current), target=str(target), nodes=[e.node for e in movable]
+        )
+        for e in movable:
+            self._switching.add(e.node)
+            self.dispatcher.set_state(e.node, "draining", f"switching to {to}")
+        asyncio.get_running_loop().create_task(self._switch([e.node for e in movable], to))
+
+    async def _switch(self, nodes: list[int], to: Phase) -> None:
+        try:
+            await asyncio.gather(*(self._switch_one(n, to) for n in nodes))
+        finally:
+            self.planner.switch_done()
+
+    async def _switch_one(self, node: int, to: Phase) -> None:
+        d = self.dispatcher
+        try:
+            r = await self.clients[node].switch_phase(
+                to, drain_timeout_s=DRAIN_TIMEOUT_S, timeout=DRAIN_TIMEOUT_S + 60.0
+            )
+        except EngineControlError as e:
+            # The engine keeps its old phase (a drain timeout) or is down: the health loop
+            # learns which once the node is no longer marked as switching.
+            self.switches.append(SwitchRecord(node, to, False, reason=str(e)))
+            log.warning("switch_failed", node=node, to=to, reason=str(e))
+        else:
+            d.set_phase(node, r.phase)
+            d.set_state(node, "up")
+            self.switches.append(SwitchRecord(node, r.phase, True, r.drain_s, r.switch_s))
+            log.info("switched", node=node, to=r.phase, drain_s=r.drain_s, switch_s=r.switch_s)
+        finally:
+            self._switching.discard(node)
