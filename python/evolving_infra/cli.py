@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from evolving_infra import demo, logs
+from evolving_infra.cluster import command as cluster_command
 from evolving_infra.engines.sim import command as engine_command
 from evolving_infra.router import command as router_command
 from evolving_infra.router.config import RouterConfigError
@@ -43,6 +44,7 @@ COMMANDS: tuple[Command, ...] = (
     sim_command,
     engine_command,
     router_command,
+    cluster_command,
 )
 
 

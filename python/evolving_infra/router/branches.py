@@ -146,6 +146,7 @@ class _Live:
     parent: str | None  # the branch it was forked from (None: not a fork)
     last_active: float
     in_flight: int = 0
+    tail: int | None = None  # the last block of its context: what eviction hints name
 
 
 @dataclass(slots=True)
@@ -221,7 +222,8 @@ class BranchTracker:
                     self.directory.branch_fork(info.parent, b)
                 except KvDirectoryError as e:  # the tracker and the directory disagree: a bug
                     raise ApiError(500, f"branch fork failed: {e}", code=INTERNAL) from e
-                live = self._named[b] = _Live(parent=info.parent, last_active=now)
+                parent_tail = self._named[info.parent].tail
+                live = self._named[b] = _Live(info.parent, now, tail=parent_tail)
             elif live.parent != info.parent:
                 raise ApiError(
                     409,
@@ -241,6 +243,7 @@ class BranchTracker:
         if live is None:
             live = self._named[b] = _Live(parent=None, last_active=now)
         live.last_active = now
+        live.tail = hashes[-1] if hashes else None
         live.in_flight += 1
         if info.event is not None:
             self._count(info.event.value)
@@ -272,6 +275,11 @@ class BranchTracker:
         live.last_active = self._clock()
         if lease.end_after:
             self._end(lease.key)
+
+    def live_tails(self) -> dict[str, int]:
+        """The last block of each live named branch's context (for eviction hints: an engine
+        keeps the chain up to a hinted block ahead of blocks no live branch needs)."""
+        return {b: s.tail for b, s in self._named.items() if s.tail is not None}
 
     def end(self, branch: str) -> None:
         """`POST /v1/branches/{id}/end`: end a named branch now (404 if unknown)."""

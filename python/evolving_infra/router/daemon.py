@@ -48,6 +48,9 @@ from evolving_infra.timing.specs import LLAMA3_70B, MODELS
 log = structlog.get_logger("evolving_infra.router.daemon")
 
 HEALTH_INTERVAL_S = 1.0
+# Eviction hints are refreshed this often: a branch's context changes once per agent turn
+# (seconds to minutes), and an engine evicts by them only under memory pressure.
+HINTS_INTERVAL_S = 2.0
 DISCOVERY_TIMEOUT_S = 10.0
 
 
@@ -119,6 +122,7 @@ class RouterDaemon:
         self.samples: SampleIngestor | None = None
         self.dispatcher: PdDispatcher | None = None
         self.planner: LivePlanner | None = None
+        self.tracker = BranchTracker(self.directory, config.branch_ttl)
         self.runner: web.AppRunner | None = None
         self.port = 0
         self._session: aiohttp.ClientSession | None = None
@@ -168,7 +172,7 @@ class RouterDaemon:
         self.dispatcher.slices = self.planner.slices
         app = build_app(
             self.dispatcher,
-            BranchTracker(self.directory, cfg.branch_ttl),
+            self.tracker,
             load_tokenizer(cfg.tokenizer),
             self.metrics,
             page_size=cfg.page_size,
@@ -181,6 +185,7 @@ class RouterDaemon:
         self._tasks = [
             asyncio.create_task(self._health_loop(), name="health"),
             asyncio.create_task(self.planner.run(), name="planner"),
+            asyncio.create_task(self._hints_loop(), name="hints"),
         ]
         log.info(
             "router_serving",
@@ -217,6 +222,20 @@ class RouterDaemon:
             "up" if h.state == "serving" else "draining" if h.state != "down" else "down",
             h.reason,
         )
+
+    async def _hints_loop(self) -> None:
+        """Every engine learns which chains live branches still need (DESIGN §2's `R_b > 0`
+        part of the eviction order, applied by the engine's own eviction)."""
+        while True:
+            await asyncio.sleep(HINTS_INTERVAL_S)
+            hints = dict.fromkeys(self.tracker.live_tails().values(), 1)
+            await asyncio.gather(*(self._hint(n, e, hints) for n, e in self.engines.items()))
+
+    async def _hint(self, node: int, engine: _Engine, hints: dict[int, int]) -> None:
+        try:
+            await engine.client.set_eviction_hints(hints, replace=True, timeout=HINTS_INTERVAL_S)
+        except EngineControlError as e:
+            log.debug("hints_failed", node=node, reason=str(e))
 
     def status(self) -> dict[str, Any]:
         """Counters for logs and tests: ingestion, planner, engines."""

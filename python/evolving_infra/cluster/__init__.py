@@ -1,0 +1,1 @@
+"""`evolving-infra cluster`: a whole live system on loopback (see `command.py`)."""

@@ -1,0 +1,241 @@
+"""`evolving-infra cluster up`: a whole live system on loopback, in the foreground.
+
+Starts, in order, the Mooncake master of the shared L2 pool (unless `--no-pool`), `--engines`
+simulated engines (the first `--prefill` of them in the prefill phase, the rest decode; each an
+`evolving-infra engine` process with its HTTP data API, its EngineControl gRPC service and its
+ZMQ event and sample streams) and the router daemon in front of them; waits until the router's
+`/health` says every engine is up; then waits. Ctrl-C (or SIGTERM) stops the router first, then
+the engines, then the master. If any process exits on its own, everything is stopped and the
+command fails, naming it and showing the end of its log.
+
+Each process logs to `--log-dir` (JSON lines; the master's own log too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+from rich.table import Table
+
+from evolving_infra.argtypes import natural_int, positive_int
+from evolving_infra.engines.pool.master import free_ports
+from evolving_infra.timing.specs import GPUS, MODELS
+
+NAME = "cluster"
+HELP = "start a live system on loopback: pool master, simulated engines and the router"
+DESCRIPTION = (
+    __doc__.split("\n", 2)[2]
+    + """
+example:
+  evolving-infra cluster up --engines 4 --router-port 8000
+  evolving-infra replay data/traces/claude-code --router http://127.0.0.1:8000 --agents 8
+"""
+)
+
+START_TIMEOUT_S = 60.0
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or exited; the message names it."""
+
+
+@dataclass
+class _Proc:
+    name: str
+    args: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def exited(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        p = self.popen
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+@dataclass
+class Cluster:
+    """The processes of one `cluster up`, stopped in reverse order of start."""
+
+    log_dir: Path
+    procs: list[_Proc] = field(default_factory=list)
+    master: object | None = None  # a PoolMaster, when the pool runs
+
+    def spawn(self, name: str, args: list[str]) -> _Proc:
+        p = _Proc(name, args, self.log_dir / f"{name}.log")
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def check(self) -> None:
+        for p in self.procs:
+            code = p.exited()
+            if code is not None:
+                raise ClusterError(f"{p.name} exited with status {code}; its log:\n{p.tail()}")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        stop = getattr(self.master, "stop", None)
+        if stop is not None:
+            stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("action", choices=["up"], help="up: start everything and wait (Ctrl-C stops it all)")
+    a("--engines", type=positive_int, default=4, help="simulated engines (default: 4)")
+    a("--prefill", type=natural_int, default=None,
+      help="engines starting in the prefill phase (default: half, rounded up)")  # fmt: skip
+    a("--router-port", type=natural_int, default=8000, help="router port (default: 8000)")
+    a("--model", choices=sorted(MODELS), default="llama-3-8b", help="model (default: %(default)s)")
+    a("--gpu", choices=sorted(GPUS), default="h100-sxm", help="GPU kind (default: %(default)s)")
+    a("--tp", type=positive_int, default=1, help="GPUs per engine (default: 1)")
+    a("--page-size", type=positive_int, default=16, help="tokens per KV page (default: 16)")
+    a("--time-scale", type=float, default=1.0,
+      help="simulated seconds per real second in the engines (default: 1)")  # fmt: skip
+    a("--no-pool", action="store_true", help="no Mooncake master: engines keep L2 to themselves")
+    a("--no-planner", action="store_true", help="the router never switches engine phases")
+    a("--planner-interval", type=float, default=60.0,
+      help="seconds between the router's phase-split decisions (default: 60)")  # fmt: skip
+    a("--log-dir", type=Path, default=Path("cluster-logs"),
+      help="folder of every process's log (default: cluster-logs)")  # fmt: skip
+
+
+def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            data = json.loads(r.read())
+            return data if isinstance(data, dict) else None
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def _wait_healthy(cluster: Cluster, url: str, what: str) -> dict[str, object]:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        cluster.check()
+        health = _get_json(url)
+        # The router says {"status": "ok"}; an engine {"state": "serving"} (SGLang: a bare 200).
+        if health is not None and "ok" in (health.get("status"), health.get("state")):
+            return health
+        if health is not None and health.get("state") == "serving":
+            return health
+        time.sleep(0.2)
+    raise ClusterError(f"{what} not healthy after {START_TIMEOUT_S:.0f} s ({url})")
+
+
+def up(args: argparse.Namespace, console: Console) -> Cluster:
+    """Starts everything (see the module docstring); the caller stops it."""
+    n = args.engines
+    prefill = (n + 1) // 2 if args.prefill is None else min(args.prefill, n)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(args.log_dir)
+    me = [sys.executable, "-m", "evolving_infra"]
+    try:
+        pool: list[str] = []
+        if not args.no_pool:
+            from evolving_infra.engines.pool import PoolMaster
+
+            master = PoolMaster(log_dir=args.log_dir)
+            cluster.master = master
+            pool = ["--pool-master", master.start().rpc]
+        ports = free_ports(2 * n)
+        http, grpc = ports[:n], ports[n:]
+        for i in range(n):
+            phase = "prefill" if i < prefill else "decode"
+            cluster.spawn(
+                f"engine-{i}",
+                [*me, "engine", "--backend", "sim", "--node-id", str(i), "--phase", phase,
+                 "--port", str(http[i]), "--grpc-port", str(grpc[i]), "--model", args.model,
+                 "--gpu", args.gpu, "--tp", str(args.tp), "--page-size", str(args.page_size),
+                 "--time-scale", str(args.time_scale), "--seed", str(i), *pool],
+            )  # fmt: skip
+        for i in range(n):
+            _wait_healthy(cluster, f"http://127.0.0.1:{http[i]}/health", f"engine {i}")
+        router = [*me, "router", "--engines", *(f"127.0.0.1:{g}" for g in grpc),
+                  "--port", str(args.router_port), "--page-size", str(args.page_size),
+                  "--planner-interval", str(args.planner_interval)]  # fmt: skip
+        if args.no_planner:
+            router.append("--no-planner")
+        cluster.spawn("router", router)
+        _wait_healthy(cluster, f"http://127.0.0.1:{args.router_port}/health", "the router")
+    except BaseException:
+        cluster.stop()
+        raise
+    table = Table(title="evolving-infra cluster on 127.0.0.1")
+    for col in ("process", "phase", "address", "log"):
+        table.add_column(col)
+    table.add_row("router", "", f"http://127.0.0.1:{args.router_port}", "router.log")
+    for i in range(n):
+        phase = "prefill" if i < prefill else "decode"
+        table.add_row(
+            f"engine {i}",
+            phase,
+            f"http://127.0.0.1:{http[i]} (control 127.0.0.1:{grpc[i]})",
+            f"engine-{i}.log",
+        )
+    if pool:
+        table.add_row("mooncake master", "", pool[1], "(log dir)")
+    console.print(table)
+    console.print(f"logs in {args.log_dir}/; Ctrl-C stops everything")
+    return cluster
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    try:
+        cluster = up(args, console)
+    except ClusterError as e:
+        print(f"evolving-infra cluster: error: {e}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stopping:
+            cluster.check()
+            time.sleep(0.5)
+    except ClusterError as e:
+        print(f"evolving-infra cluster: error: {e}", file=sys.stderr)
+        cluster.stop()
+        return 1
+    console.print("stopping: router, engines, pool master")
+    cluster.stop()
+    return 0
