@@ -91,6 +91,9 @@ class Cluster:
     log_dir: Path
     procs: list[_Proc] = field(default_factory=list)
     master: object | None = None  # a PoolMaster, when the pool runs
+    router_url: str = ""
+    engine_urls: list[str] = field(default_factory=list)  # HTTP data API, by node id
+    control: list[str] = field(default_factory=list)  # EngineControl HOST:PORT, by node id
 
     def spawn(self, name: str, args: list[str]) -> _Proc:
         p = _Proc(name, args, self.log_dir / f"{name}.log")
@@ -173,6 +176,8 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
             pool = ["--pool-master", master.start().rpc]
         ports = free_ports(2 * n)
         http, grpc = ports[:n], ports[n:]
+        cluster.engine_urls = [f"http://127.0.0.1:{p}" for p in http]
+        cluster.control = [f"127.0.0.1:{p}" for p in grpc]
         for i in range(n):
             phase = "prefill" if i < prefill else "decode"
             cluster.spawn(
@@ -190,7 +195,8 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
         if args.no_planner:
             router.append("--no-planner")
         cluster.spawn("router", router)
-        _wait_healthy(cluster, f"http://127.0.0.1:{args.router_port}/health", "the router")
+        cluster.router_url = f"http://127.0.0.1:{args.router_port}"
+        _wait_healthy(cluster, f"{cluster.router_url}/health", "the router")
     except BaseException:
         cluster.stop()
         raise

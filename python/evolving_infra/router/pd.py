@@ -21,9 +21,10 @@ answer, the request fails with `EngineFailedError` (an SSE error event when stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -236,7 +237,9 @@ class PdDispatcher:
             or "none"
         )
 
-    def _body(self, req: PreparedRequest, place: _Placement, room: int) -> dict[str, Any]:
+    def _body(
+        self, req: PreparedRequest, place: _Placement, room: int, attempt: int
+    ) -> dict[str, Any]:
         s = req.sampling
         params: dict[str, Any] = {"max_new_tokens": s.max_tokens or self.default_max_tokens}
         if s.temperature is not None:
@@ -248,7 +251,9 @@ class PdDispatcher:
         if s.seed is not None:
             params["sampling_seed"] = s.seed
         return {
-            "rid": req.request_id,
+            # A retry is a new request to the engines: the failed attempt may still be winding
+            # down on one of them under the old id.
+            "rid": req.request_id if attempt == 0 else f"{req.request_id}.{attempt}",
             "input_ids": list(req.token_ids),
             "sampling_params": params,
             "stream": True,
@@ -263,7 +268,7 @@ class PdDispatcher:
             place = self._place(request, excluded)
             streamed = False
             try:
-                async for event in self._run(request, place):
+                async for event in self._run(request, place, attempt):
                     streamed = True
                     yield event
                 return
@@ -278,9 +283,11 @@ class PdDispatcher:
                 excluded.add(e.engine.node)
                 log.warning("retry", request=request.request_id, down=e.engine.node)
 
-    async def _run(self, req: PreparedRequest, place: _Placement) -> AsyncIterator[GenerationEvent]:
+    async def _run(
+        self, req: PreparedRequest, place: _Placement, attempt: int
+    ) -> AsyncIterator[GenerationEvent]:
         room = self._rng.randint(0, ROOM_MAX)
-        body = self._body(req, place, room)
+        body = self._body(req, place, room, attempt)
         p, d = place.prefill, place.decode
         self.loads.add_prefill(p.node, place.prefill_s, place.uncached)
         self.loads.add_decode(d.node, place.decode_blocks, len(req.token_ids))
@@ -297,16 +304,32 @@ class PdDispatcher:
 
         prefill = asyncio.create_task(self._prefill(p, {**body, "stream": False}))
         prefill.add_done_callback(prefill_done)
+        stream = self._decode(d, body, req)
+        first: asyncio.Future[GenerationEvent] = asyncio.ensure_future(anext(stream))
         try:
-            async for event in self._decode(d, body, req):
+            # Until the decode side streams, a failed prefill must end the request: the decode
+            # engine would otherwise wait for KV that never comes (SGLang's decode side learns
+            # it from the bootstrap server; here the router knows first).
+            legs: set[asyncio.Future[Any]] = {prefill, first}
+            await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+            failed = None if first.done() or prefill.cancelled() else prefill.exception()
+            if failed is not None:
+                raise failed
+            event: GenerationEvent | None = await first
+            while event is not None:
                 if self.slices is not None and isinstance(event, TextPiece):
                     self.slices.tokens(event.tokens)
                 yield event
+                event = await anext(stream, None)
             # The decode side has the KV once it streams: the prefill answer only confirms it.
             await prefill
         finally:
-            if not prefill.done():
-                prefill.cancel()
+            for task in (first, prefill):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+            await stream.aclose()
             prefill_done()
             self.loads.done_decode(d.node, place.decode_blocks, len(req.token_ids))
 
@@ -317,7 +340,7 @@ class PdDispatcher:
 
     async def _decode(
         self, engine: EngineHandle, body: Mapping[str, Any], req: PreparedRequest
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         text, tokens = "", 0
         async with self._post(engine, body) as resp:
             await self._check(engine, resp)

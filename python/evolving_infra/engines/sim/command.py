@@ -18,9 +18,11 @@ from evolving_infra import logs
 from evolving_infra.argtypes import natural_int, positive_int
 from evolving_infra.control.server import serve as serve_control
 from evolving_infra.engines.events import KvEventPublisher
+from evolving_infra.engines.pool import DEFAULT_SCALE, MasterAddress, PoolError
 from evolving_infra.engines.samples import ForwardPassMetricsPublisher
 from evolving_infra.engines.sim.core import EngineSettings, SimEngine
 from evolving_infra.engines.sim.http import build_app
+from evolving_infra.engines.sim.pool import parse_master, pool_config
 from evolving_infra.engines.sim.publish import ZmqKvSink
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
@@ -50,6 +52,10 @@ A prefill/decode pair: start one engine with --phase prefill and one with --phas
 send the same /generate body with bootstrap_host/bootstrap_port (the prefill engine's HTTP
 address) and bootstrap_room to both. Without bootstrap fields a prefill engine serves the
 request alone (prefill, then decode).
+
+--pool-master HOST:PORT joins the shared L2 pool of a running mooncake_master: the engine's L2
+blocks are put there (payloads of the real block size / --pool-scale), and a prompt's blocks
+that this node lacks are fetched from it when another engine put them (pool hits).
 
 example:
   evolving-infra engine --backend sim --node-id 0 --phase prefill --port 30000
@@ -94,6 +100,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-prefetch", action="store_true", help="do not fetch L2 blocks while queued")
     a("--kv-hold-seconds", type=positive_float, default=60.0,
       help="real seconds a prefill's KV waits for its decode engine (default: 60)")  # fmt: skip
+    a("--pool-master", type=master_address, default=None, metavar="HOST:PORT",
+      help="mooncake_master RPC address of the shared L2 pool (default: no pool)")  # fmt: skip
+    a("--pool-scale", type=positive_int, default=DEFAULT_SCALE,
+      help="pool payload = real block bytes / this (default: %(default)s)")  # fmt: skip
+
+
+def master_address(text: str) -> MasterAddress:
+    try:
+        return parse_master(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def settings_from(args: argparse.Namespace, url: str = "") -> EngineSettings:
@@ -115,6 +132,9 @@ def settings_from(args: argparse.Namespace, url: str = "") -> EngineSettings:
         max_requests=args.max_requests,
         kv_hold_real_s=args.kv_hold_seconds,
         http_url=url,
+        pool=None
+        if args.pool_master is None
+        else pool_config(args.pool_master, deployment.model, args.page_size, args.pool_scale),
     )
 
 
@@ -145,7 +165,14 @@ async def serve(args: argparse.Namespace) -> int:
     # A (re)started engine holds nothing: say so first, as SGLang's cache reset does, so that a
     # router that knew a previous incarnation forgets it.
     sink.all_blocks_cleared()
-    await engine.start()
+    try:
+        await engine.start()
+    except PoolError as e:  # a pool named at start that cannot be joined: say so, do not serve
+        await engine.close()
+        kv_pub.close()
+        fpm.close()
+        print(f"evolving-infra engine: error: cannot join the pool: {e}", file=sys.stderr)
+        return 2
     runner = web.AppRunner(build_app(engine), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -19,6 +19,10 @@ Phase switch: stop accepting; queued requests not started and decode requests st
 for KV room are handed back at once with 503 (the router retries them elsewhere: a switch must
 not wait behind a long queue); running ones finish; then `switch_seconds` pass and the node
 flips in place, keeping its KV unless asked not to. Durations in results are simulated seconds.
+
+Shared L2 pool (`settings.pool`, pool.py): the node's L2 blocks are also put in a Mooncake pool,
+and a prefill request's blocks past this node's L1/L2 are looked up and fetched there before it
+is queued; they count as pool hits in the simulator's `Node.reach`.
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ from evolving_infra.control.records import (
     TransferResult,
 )
 from evolving_infra.control.server import EngineControlService
+from evolving_infra.engines.pool import PoolConfig
 from evolving_infra.engines.sim.cache import CacheEvents, Hints, KvEventSink
 from evolving_infra.engines.sim.env import RealTimeEnv, SampleSink
+from evolving_infra.engines.sim.pool import EnginePool, TeeListener
 from evolving_infra.engines.sim.requests import (
     BadRequestError,
     GenerateError,
@@ -109,6 +115,7 @@ class EngineSettings:
     kv_events_endpoint: str = ""
     kv_replay_endpoint: str = ""
     samples_endpoint: str = ""
+    pool: PoolConfig | None = None  # the shared L2 pool to join (pool.py); None: L2 is local
 
     def config(self) -> SimConfig:
         """The simulator's configuration of this deployment: capacities and bandwidths."""
@@ -149,7 +156,13 @@ class SimEngine(EngineControlService):
         self.directory = KvDirectory()
         self.parents = BlockParents()
         self.events = CacheEvents(ps, kv_sink)
-        self.kv = NodeKv(s.node_id, self.directory, self.parents, l1, l2, listener=self.events)
+        self.pool = (
+            None
+            if s.pool is None
+            else EnginePool(s.pool, s.node_id, self.directory, lambda: self.events.held["L2"])
+        )
+        listener = self.events if self.pool is None else TeeListener(self.events, self.pool)
+        self.kv = NodeKv(s.node_id, self.directory, self.parents, l1, l2, listener=listener)
         self.hints = Hints(self.directory, self.parents, self.events)
         self.env = RealTimeEnv(
             s.deployment, self, time_scale=s.time_scale, noise=s.noise, seed=s.seed,
@@ -163,7 +176,9 @@ class SimEngine(EngineControlService):
             l2_bandwidth=self.l2_bandwidth,
             pool_bandwidth=self.kv_bandwidth,
             net_bandwidth=self.kv_bandwidth,
-            shared_pool=False,  # one node: only its own L1 and L2
+            # One node: its own L1 and L2, and with a pool the blocks fetched from it (held in
+            # the local directory by the pool's pseudo node).
+            shared_pool=self.pool is not None,
             prefetch=s.prefetch,
         )
         self.node = Node(s.node_id, s.phase, self.kv, self.directory, node_settings, self.env)
@@ -181,6 +196,8 @@ class SimEngine(EngineControlService):
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.pool is not None:
+            await self.pool.start()
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
     async def close(self) -> None:
@@ -194,6 +211,8 @@ class SimEngine(EngineControlService):
             q.put_nowait(None)
         if self._http is not None:
             await self._http.close()
+        if self.pool is not None:
+            await self.pool.close()
 
     @property
     def phase(self) -> Phase:
@@ -250,9 +269,26 @@ class SimEngine(EngineControlService):
         if mode == "decode":
             if node.offer(sim, now):
                 self.start_transfer(sim)
+        elif self.pool is not None and self.pool.up and hashes:
+            live.task = self.loop.create_task(self._enqueue_after_pool(live))
         else:
             node.enqueue(sim, now)
         return live
+
+    async def _enqueue_after_pool(self, live: LiveRequest) -> None:
+        """Queues a prefill once the prompt's blocks past this node's L1/L2 are looked up, and
+        the leading run found fetched, in the shared pool (a miss on any pool failure)."""
+        assert self.pool is not None
+        sim = live.sim
+        start = self.directory.match(sim.hashes).nodes.get(self.settings.node_id, (0, 0))[1]
+        n = await self.pool.lookup(sim.hashes[start:])
+        if self._by_sim.get(sim.id) is not live:
+            return  # failed meanwhile (the engine is closing)
+        if not self.node.accepting:
+            self._hand_back(live)  # a switch began: as for the requests already queued
+            return
+        self.pool.hold(sim.id, sim.hashes, start, n)
+        self.node.enqueue(sim, self.env.now)
 
     def _done(self, live: LiveRequest, error: GenerateError | None = None) -> None:
         now = self.env.now
@@ -266,6 +302,8 @@ class SimEngine(EngineControlService):
         self._by_sim.pop(live.sim.id, None)
         if live.sim.hashes:
             self.directory.branch_end(_branch(live.sim))
+        if self.pool is not None:
+            self.pool.release(live.sim.id)
         self._changed.set()
 
     # -- PD: the prefill side -----------------------------------------------------------------
@@ -296,6 +334,13 @@ class SimEngine(EngineControlService):
             live.emit(1)
         self._done(live, error)
         return True
+
+    def _hand_back(self, live: LiveRequest) -> None:
+        """A request not started when a phase switch begins: 503, the router retries it."""
+        error = OverloadedError(f"engine {self.settings.node_id} is switching phase: retry")
+        if live.mode == "prefill":
+            self._fail_room(live, error)
+        self._done(live, error)
 
     def _fail_room(self, live: LiveRequest, error: GenerateError) -> None:
         assert live.bootstrap is not None
@@ -472,10 +517,7 @@ class SimEngine(EngineControlService):
             for sim in handed:
                 live = self._by_sim.get(sim.id)
                 if live is not None:
-                    error = OverloadedError(f"engine {s.node_id} is switching phase: retry")
-                    if live.mode == "prefill":
-                        self._fail_room(live, error)
-                    self._done(live, error)
+                    self._hand_back(live)
             timeout = (request.drain_timeout_s / scale) or s.drain_timeout_real_s
             deadline = started + timeout
             while self._live or not node.drained():

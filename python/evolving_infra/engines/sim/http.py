@@ -291,6 +291,7 @@ async def server_info(request: web.Request) -> web.Response:
         "kv_replay_endpoint": s.kv_replay_endpoint,
         "samples_endpoint": s.samples_endpoint,
         "internal_states": [engine.state()],
+        "pool": None if engine.pool is None else engine.pool.info(),
         "version": info.version,
     }
     return web.json_response(body)

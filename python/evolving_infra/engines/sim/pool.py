@@ -1,0 +1,377 @@
+"""The simulated engine's L2 in the shared Mooncake pool, and its pool hits (DESIGN §2, §4).
+
+`EnginePool` joins one engine to the pool through a `PoolClient` (its store worker is a child
+process: pyzmq and the Mooncake store cannot share the engine's process, docs/pool.md):
+
+- **L2 in the pool.** It hears the engine's `NodeKv` (`TeeListener` next to the KV events):
+  blocks demoted to L2 are `put` (a synthetic payload of the real block size over `scale`),
+  blocks L2 drops are `remove`d. The node mechanics stay synchronous and the pool calls are
+  not: the listener only records the latest wish per block (`want`) and wakes one flusher task,
+  which sends puts, then removes, in batches. The latest wish wins, so a block demoted and
+  dropped before a flush costs nothing. A remove refused under a reader's lease is retried
+  after `retry_real_s` unless the block came back meanwhile.
+- **Pool hits.** Before a prefill request is queued, the engine asks `lookup` for the prompt's
+  blocks after what it holds in L1/L2: one `exists` call, then `fetch_batch` of the leading run
+  found (the bytes really cross Mooncake's transport into this engine's worker). The run that
+  arrived is registered in the engine's local directory as held in L2 by `pseudo_node`, a node
+  standing for the pool, so `m.pool` covers it and `Node.reach` (with `shared_pool=True`)
+  counts it: the simulator's own `fetch_seconds` charges bytes / `pool_bandwidth` in simulated
+  time and the request's cached tokens include the run. The registration lasts until the
+  request is done (reference-counted per block: prompts share prefixes); by then the blocks
+  are in this node's L1 and its own events say so. The pseudo node never goes through
+  `NodeKv`, so it emits no KV events and changes none of the node's counts.
+- **Failures never reach the engine.** Any `PoolError` is logged and counted; a dead worker or
+  master marks the pool down (lookups miss at once, nothing is queued) and a reconnect is tried
+  with a growing back-off; once back, the blocks the node still holds in L2 are put again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from evolving_infra._core import KvDirectory, KvDirectoryError
+from evolving_infra.engines.pool import (
+    DEFAULT_SCALE,
+    AsyncPoolClient,
+    MasterAddress,
+    PoolConfig,
+    PoolError,
+    PoolFullError,
+    PoolNamespace,
+    PoolUnavailableError,
+    block_payload_bytes,
+)
+from evolving_infra.sim.kv import KvListener, KvTier
+from evolving_infra.timing.specs import ModelConfig
+
+log = structlog.get_logger("evolving_infra.engines.sim")
+
+MAX_NODE = (1 << 31) - 2  # the directory's largest node id (kvdir `MAX_NODE`)
+
+
+def parse_master(text: str) -> MasterAddress:
+    """`HOST:PORT` of a `mooncake_master`'s RPC port (the metrics port is not needed)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return MasterAddress(host.strip("[]"), int(port), 0)
+
+
+def pool_config(
+    master: MasterAddress,
+    model: ModelConfig,
+    page_size: int,
+    scale: int = DEFAULT_SCALE,
+    log_dir: Path | None = None,
+) -> PoolConfig:
+    """One engine's store client: namespace (model, page size), payloads of the real block
+    size divided by `scale`."""
+    return PoolConfig(
+        master,
+        PoolNamespace(model.name, page_size),
+        block_bytes=block_payload_bytes(model, page_size, scale),
+        scale=scale,
+        log_dir=log_dir,
+    )
+
+
+class TeeListener:
+    """A `KvListener` that forwards every change to several listeners, in order."""
+
+    def __init__(self, *listeners: KvListener) -> None:
+        self.listeners = listeners
+
+    def stored(self, tier: KvTier, hashes: list[int], parent: int | None) -> None:
+        for x in self.listeners:
+            x.stored(tier, hashes, parent)
+
+    def removed(self, tier: KvTier, hashes: list[int]) -> None:
+        for x in self.listeners:
+            x.removed(tier, hashes)
+
+    def cleared(self) -> None:
+        for x in self.listeners:
+            x.cleared()
+
+
+@dataclass(slots=True)
+class PoolCounters:
+    """What this engine did with the pool (blocks, and real bytes where they moved)."""
+
+    blocks_put: int = 0  # acknowledged in the pool (new, or already there)
+    put_rejected: int = 0  # no segment had room: the block is in the local L2 only
+    blocks_removed: int = 0
+    remove_retries: int = 0  # removes refused under a reader's lease, retried later
+    lookups: int = 0
+    hit_requests: int = 0  # lookups that found at least one block
+    blocks_fetched: int = 0  # pool hits: blocks really fetched and counted as cached
+    bytes_fetched: int = 0
+    errors: int = 0
+    reconnects: int = 0
+
+
+def _leading(flags: Sequence[bool]) -> int:
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+class EnginePool:
+    """One engine's side of the shared L2 pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        node_id: int,
+        directory: KvDirectory,
+        l2_blocks: Callable[[], Collection[int]],
+        *,
+        batch: int = 128,
+        retry_real_s: float = 0.25,
+        reconnect_real_s: float = 2.0,
+    ) -> None:
+        self.config = config
+        self.directory = directory
+        self.l2_blocks = l2_blocks  # what the node holds in L2 now (re-put after a reconnect)
+        self.pseudo_node = MAX_NODE if node_id != MAX_NODE else MAX_NODE - 1
+        self.batch = batch
+        self.retry_real_s = retry_real_s
+        self.reconnect_real_s = reconnect_real_s
+        self.counters = PoolCounters()
+        self.client: AsyncPoolClient | None = None
+        self.last_error = ""
+        self.want: dict[int, bool] = {}  # block -> should be in the pool (latest L2 event)
+        self.in_pool: set[int] = set()  # blocks this engine put and has not removed
+        self._held: dict[int, int] = {}  # pseudo-node blocks -> requests counting on them
+        self._by_req: dict[int, list[int]] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connects (raises `PoolError`: a pool named at start that cannot be joined is a
+        configuration error) and starts the flusher."""
+        self.client = await AsyncPoolClient.connect(self.config)
+        self._spawn(self._flush_loop())
+        log.info("pool_joined", master=self.config.master.rpc, block_bytes=self.config.block_bytes)
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        client, self.client = self.client, None
+        if client is not None:
+            # Mooncake's close takes ~2 s; this engine's blocks leave the pool with it.
+            with contextlib.suppress(PoolError, OSError):
+                await client.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- `sim.kv.KvListener`: the node's L2 --------------------------------------------------
+
+    def stored(self, tier: KvTier, hashes: list[int], parent: int | None) -> None:
+        if tier == "L2" and self.client is not None:
+            self.want.update(dict.fromkeys(hashes, True))
+            self._wake.set()
+
+    def removed(self, tier: KvTier, hashes: list[int]) -> None:
+        if tier == "L2" and self.client is not None:
+            self.want.update(dict.fromkeys(hashes, False))
+            self._wake.set()
+
+    def cleared(self) -> None:
+        if self.client is not None:
+            self.want = dict.fromkeys(self.in_pool | self.want.keys(), False)
+            self._wake.set()
+
+    # -- the flusher --------------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                while self.want and self.client is not None:
+                    want, self.want = self.want, {}
+                    puts = [h for h, w in want.items() if w and h not in self.in_pool]
+                    removes = [h for h, w in want.items() if not w and h in self.in_pool]
+                    await self._put(puts)
+                    await self._remove(removes)
+            except Exception:  # a bug here must not silently stop every later flush
+                self.counters.errors += 1
+                log.exception("pool_flush_failed")
+
+    async def _put(self, hashes: list[int]) -> None:
+        for i in range(0, len(hashes), self.batch):
+            client = self.client
+            if client is None:
+                return
+            chunk = hashes[i : i + self.batch]
+            try:
+                await client.put_batch([(h, None) for h in chunk])  # synthetic, block_bytes
+                stored = chunk
+            except PoolFullError as e:
+                stored = e.stored
+                self.counters.put_rejected += len(e.rejected)
+                log.warning("pool_full", rejected=len(e.rejected))
+            except PoolError as e:
+                self._failed("put", e)
+                continue
+            self.in_pool.update(stored)
+            self.counters.blocks_put += len(stored)
+
+    async def _remove(self, hashes: list[int]) -> None:
+        for i in range(0, len(hashes), self.batch):
+            client = self.client
+            if client is None:
+                return
+            chunk = hashes[i : i + self.batch]
+            try:
+                gone = await client.remove(chunk)
+            except PoolError as e:
+                self._failed("remove", e)
+                continue
+            refused = [h for h, ok in zip(chunk, gone, strict=True) if not ok]
+            self.in_pool.difference_update(h for h, ok in zip(chunk, gone, strict=True) if ok)
+            self.counters.blocks_removed += len(chunk) - len(refused)
+            if refused:
+                # NOTE: a reader's lease (any get or exists) refuses a plain remove; a forced
+                # one would pull the bytes from under that reader's transfer. Try again later.
+                self.counters.remove_retries += len(refused)
+                asyncio.get_running_loop().call_later(self.retry_real_s, self._retry, refused)
+
+    def _retry(self, hashes: list[int]) -> None:
+        for h in hashes:
+            # A newer wish (the block demoted again) wins over the retry.
+            if h in self.in_pool and h not in self.want:
+                self.want[h] = False
+        self._wake.set()
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def _failed(self, op: str, e: PoolError) -> None:
+        self.counters.errors += 1
+        self.last_error = f"{op}: {type(e).__name__}: {e}"
+        if not isinstance(e, PoolUnavailableError):
+            log.warning("pool_error", op=op, error=self.last_error)
+            return
+        # The worker or the master is gone: nothing this engine put is known to be in the pool
+        # any more. Lookups miss until a reconnect succeeds.
+        log.error("pool_down", op=op, error=self.last_error, master=self.config.master.rpc)
+        client, self.client = self.client, None
+        self.in_pool.clear()
+        self.want.clear()
+        if client is not None and not self._closing:
+            self._spawn(self._reconnect(client))
+
+    async def _reconnect(self, old: AsyncPoolClient) -> None:
+        with contextlib.suppress(PoolError, OSError):
+            await old.close()  # usually closed already by the client itself
+        delay = self.reconnect_real_s
+        while self.client is None:
+            await asyncio.sleep(delay)
+            try:
+                client = await AsyncPoolClient.connect(self.config)
+            except PoolError as e:
+                log.warning("pool_reconnect_failed", error=str(e), retry_in_s=delay)
+                delay = min(2 * delay, 60.0)
+                continue
+            self.client = client
+            self.counters.reconnects += 1
+            self.want = dict.fromkeys(self.l2_blocks(), True)
+            self._wake.set()
+            log.info("pool_rejoined", master=self.config.master.rpc, l2_blocks=len(self.want))
+
+    # -- pool hits ----------------------------------------------------------------------------
+
+    async def lookup(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` (the prompt's blocks after what the node holds)
+        were in the pool and really fetched into this engine's worker; 0 on any failure."""
+        client = self.client
+        if client is None or not hashes:
+            return 0
+        self.counters.lookups += 1
+        try:
+            found = _leading(await client.exists(hashes))
+            sizes = await client.fetch_batch(hashes[:found]) if found else []
+        except PoolError as e:
+            self._failed("lookup", e)
+            return 0
+        # Missing and failed transfers both read as None (docs/pool.md): the run stops there.
+        n = _leading([s is not None for s in sizes])
+        if n:
+            self.counters.hit_requests += 1
+            self.counters.blocks_fetched += n
+            self.counters.bytes_fetched += sum(s or 0 for s in sizes[:n])
+        return n
+
+    def hold(self, req_id: int, hashes: Sequence[int], start: int, n: int) -> None:
+        """Registers `hashes[start:start+n]` (fetched by request `req_id`) as held in L2 by the
+        pseudo node, until `release(req_id)`. Every prompt block is known to the directory
+        (the request's branch keeps placeholders), so the parent always is."""
+        run = list(hashes[start : start + n])
+        if not run:
+            return
+        try:
+            self.directory.store(self.pseudo_node, "L2", run, hashes[start - 1] if start else None)
+        except KvDirectoryError as e:  # an invariant broken elsewhere: no hit, no crash
+            self._failed("hold", PoolError(str(e)))
+            return
+        for h in run:
+            self._held[h] = self._held.get(h, 0) + 1
+        self._by_req.setdefault(req_id, []).extend(run)
+
+    def release(self, req_id: int) -> None:
+        run = self._by_req.pop(req_id, None)
+        if not run:
+            return
+        gone: list[int] = []
+        for h in run:
+            left = self._held[h] - 1
+            if left:
+                self._held[h] = left
+            else:
+                del self._held[h]
+                gone.append(h)
+        if gone:
+            self.directory.remove(self.pseudo_node, "L2", gone)
+
+    # -- views --------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """What `/server_info` reports under `pool`."""
+        c = self.config
+        client = self.client
+        return {
+            "master": c.master.rpc,
+            "namespace": f"{c.namespace.model}/p{c.namespace.page_size}",
+            "block_bytes": c.block_bytes,
+            "scale": c.scale,
+            "up": client is not None,
+            "blocks_in_pool": len(self.in_pool),
+            "pending": len(self.want),
+            **dataclasses.asdict(self.counters),
+            "last_error": self.last_error,
+            "client": None if client is None else dataclasses.asdict(client.stats()),
+        }

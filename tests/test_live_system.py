@@ -1,0 +1,204 @@
+"""The live system as users start it (`evolving-infra cluster up`): real engine and router
+processes on loopback, real HTTP, gRPC and ZMQ.
+
+Covers issue 6's end-to-end cases that are not the trace replay (tests/test_replay.py): KV hits
+visible through the events, a phase switch during load with no lost request and the node's KV
+kept, and bad input (malformed bodies, unknown branches, an engine that is down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from rich.console import Console
+
+from evolving_infra.cluster import command as cluster_command
+from evolving_infra.control import EngineClient
+from evolving_infra.engines.pool.master import free_ports
+
+TIME_SCALE = "20"
+PROMPT = "You are a coding agent. The repository has these files: " + "src/main.rs " * 12
+
+
+def _args(tmp: Path, engines: int, prefill: int) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cluster_command.add_arguments(p)
+    port = free_ports(1)[0]
+    return p.parse_args(
+        ["up", "--engines", str(engines), "--prefill", str(prefill), "--no-pool",
+         "--no-planner", "--router-port", str(port), "--time-scale", TIME_SCALE,
+         "--log-dir", str(tmp)]
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster_command.Cluster]:
+    tmp = tmp_path_factory.mktemp("cluster")
+    c = cluster_command.up(_args(tmp, 4, 2), Console(file=io.StringIO()))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        url, data=body, headers={"content-type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _chat(router: str, content: str, branch: str | None = None, **extra: Any) -> tuple[int, Any]:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+    headers = {"X-Agent-Branch": branch} if branch else {}
+    return _post(f"{router}/v1/chat/completions", json.dumps({**body, **extra}).encode(), headers)
+
+
+def test_kv_hits_are_visible_through_the_events(cluster: cluster_command.Cluster) -> None:
+    """The first turn computes the prompt; the router learns from the prefill engine's KV
+    events where it lives and sends the second turn there: cached tokens come back."""
+    status, first = _chat(cluster.router_url, PROMPT, branch="agent-a")
+    assert status == 200, first
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = 0
+    deadline = time.monotonic() + 10
+    while cached == 0 and time.monotonic() < deadline:
+        status, again = _chat(cluster.router_url, PROMPT + " and a follow-up", branch="agent-a")
+        assert status == 200, again
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    page = 16
+    assert cached >= (len(PROMPT) + 20) // page * page - 2 * page, again["usage"]
+    metrics = urllib.request.urlopen(f"{cluster.router_url}/metrics", timeout=10).read().decode()
+    assert "evolving_cached_prompt_tokens_total" in metrics
+
+
+async def _load(router: str, stop: asyncio.Event, results: list[int], worker: int) -> None:
+    async with aiohttp.ClientSession() as s:
+        turn = 0
+        while not stop.is_set():
+            turn += 1
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": f"worker {worker} " + PROMPT * 2}],
+                "max_tokens": 24,
+                "stream": turn % 2 == 0,
+            }
+            async with s.post(
+                f"{router}/v1/chat/completions",
+                json=body,
+                headers={"X-Agent-Branch": f"load-{worker}"},
+            ) as r:
+                text = await r.text()
+                ok = r.status == 200 and ("[DONE]" in text or not body["stream"])
+                results.append(200 if ok else r.status)
+
+
+def test_phase_switch_during_load_loses_nothing_and_keeps_kv(
+    cluster: cluster_command.Cluster,
+) -> None:
+    async def scenario() -> tuple[Any, list[int], Any]:
+        stop = asyncio.Event()
+        results: list[int] = []
+        workers = [
+            asyncio.create_task(_load(cluster.router_url, stop, results, w)) for w in range(8)
+        ]
+        await asyncio.sleep(2.0)
+        async with EngineClient(cluster.control[1]) as c:
+            held_before = _get(f"{cluster.engine_urls[1]}/server_info")["internal_states"][0]
+            result = await c.switch_phase("decode", timeout=120)
+        await asyncio.sleep(2.0)
+        stop.set()
+        await asyncio.gather(*workers)
+        return result, results, held_before
+
+    result, results, before = asyncio.run(scenario())
+    assert results
+    assert all(s == 200 for s in results), results
+    assert result.phase == "decode"
+    assert result.previous_phase == "prefill"
+    assert before["l1_held_blocks"] > 0
+    assert result.l1_blocks_kept > 0  # in-place: the node's cache survived the flip
+    after = _get(f"{cluster.engine_urls[1]}/server_info")["internal_states"][0]
+    assert after["phase"] == "decode"
+    assert after["l1_held_blocks"] > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        node = _get(f"{cluster.router_url}/health")["dispatcher"]["1"]
+        if node == {"phase": "decode", "state": "up", "reason": ""}:
+            break
+        time.sleep(0.2)
+    assert node["phase"] == "decode", node
+    assert node["state"] == "up", node
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status"),
+    [
+        ("/v1/chat/completions", b"{not json", {}, 400),
+        ("/v1/chat/completions", b'{"model": "m", "messages": "hi"}', {}, 400),
+        ("/v1/completions", b'{"model": "m"}', {}, 400),
+        ("/v1/branches/nobody/end", b"", {}, 404),
+        (
+            "/v1/chat/completions",
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}',
+            {"X-Agent-Branch": "child", "X-Agent-Parent-Branch": "ghost", "X-Agent-Event": "fork"},
+            404,
+        ),
+    ],
+)
+def test_bad_input_gets_a_typed_error_and_the_router_keeps_serving(
+    cluster: cluster_command.Cluster,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+) -> None:
+    got, answer = _post(f"{cluster.router_url}{path}", body, headers)
+    assert got == status
+    assert answer["error"]["message"]
+    ok, _ = _chat(cluster.router_url, "still serving?")
+    assert ok == 200
+
+
+def test_with_every_decode_engine_down_requests_get_503_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    c = cluster_command.up(_args(tmp_path, 2, 1), Console(file=io.StringIO()))
+    try:
+        status, _ = _chat(c.router_url, "warm up")
+        assert status == 200
+        decode = c.procs[1]
+        assert decode.name == "engine-1"
+        assert decode.popen is not None
+        decode.popen.kill()
+        decode.popen.wait()
+        status, answer = _chat(c.router_url, "is anyone there?")
+        assert status == 503, answer
+        assert "engine 1" in answer["error"]["message"] or "decode" in answer["error"]["message"]
+        with pytest.raises(urllib.error.HTTPError) as down:
+            _get(f"{c.router_url}/health")  # not ready: no decode engine
+        assert down.value.code == 503
+        ok = _get(f"{c.engine_urls[0]}/health")
+        assert ok["state"] == "serving"
+    finally:
+        c.stop()
