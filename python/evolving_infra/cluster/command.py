@@ -67,11 +67,17 @@ class _Proc:
     def exited(self) -> int | None:
         return None if self.popen is None else self.popen.poll()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def interrupt(self) -> None:
+        """Asks the process to shut down (SIGINT, as Ctrl-C would)."""
         p = self.popen
-        if p is None or p.poll() is not None:
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGINT)
+
+    def wait(self, timeout_s: float = 15.0) -> None:
+        """Waits for the exit; kills the process if it takes longer than `timeout_s`."""
+        p = self.popen
+        if p is None:
             return
-        p.send_signal(signal.SIGINT)
         try:
             p.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -108,8 +114,15 @@ class Cluster:
                 raise ClusterError(f"{p.name} exited with status {code}; its log:\n{p.tail()}")
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        """The router first (no new requests reach the engines), then every engine at once
+        (each closes its pool client, ~2 s), then the master."""
+        routers = [p for p in self.procs if p.name == "router"]
+        engines = [p for p in self.procs if p.name != "router"]
+        for group in (routers, engines):
+            for p in group:
+                p.interrupt()
+            for p in group:
+                p.wait()
         stop = getattr(self.master, "stop", None)
         if stop is not None:
             stop()

@@ -185,6 +185,7 @@ class SimEngine(EngineControlService):
         self._live: dict[str, LiveRequest] = {}
         self._by_sim: dict[int, LiveRequest] = {}
         self._rooms: dict[int, _Room] = {}
+        self._failed_rooms: dict[int, GenerateError] = {}
         self._ids = itertools.count()
         self._changed = asyncio.Event()
         self._switching = False
@@ -228,7 +229,10 @@ class SimEngine(EngineControlService):
         """Takes a request in (raises `GenerateError` if refused); await its `LiveRequest`."""
         s, node, now = self.settings, self.node, self.env.now
         if self._closed or not node.accepting:
-            raise OverloadedError(f"engine {s.node_id} is {node.state}: retry another engine")
+            error = OverloadedError(f"engine {s.node_id} is {node.state}: retry another engine")
+            if spec.bootstrap is not None and node.phase == "prefill":
+                self._room_failed(spec.bootstrap.room, error)
+            raise error
         if len(self._live) >= s.max_requests:
             raise OverloadedError(f"engine {s.node_id} has {s.max_requests} requests already")
         if spec.rid in self._live:
@@ -311,6 +315,9 @@ class SimEngine(EngineControlService):
     async def wait_prefilled(self, room_id: int, timeout_real_s: float) -> dict[str, Any]:
         """The `GET /_sim/kv/{room}` long poll: once the room's prefill is done, what the
         decode side needs (raises `GenerateError` on timeout or if the prefill failed)."""
+        failed = self._failed_rooms.get(room_id)
+        if failed is not None:
+            raise failed
         if self.node.phase != "prefill" and room_id not in self._rooms:
             raise BadRequestError(f"engine {self.settings.node_id} is not a prefill engine")
         room = self._rooms.setdefault(room_id, _Room(self.loop.create_future()))
@@ -345,9 +352,17 @@ class SimEngine(EngineControlService):
     def _fail_room(self, live: LiveRequest, error: GenerateError) -> None:
         assert live.bootstrap is not None
         room = self._rooms.pop(live.bootstrap.room, None)
+        self._room_failed(live.bootstrap.room, error)
         if room is not None and not room.ready.done():
             room.ready.set_exception(error)
             room.ready.exception()  # retrieved: the pollers (if any) see it; no loop warning
+
+    def _room_failed(self, room_id: int, error: GenerateError) -> None:
+        """Remembers for a while that a room's prefill failed or was refused: a decode engine
+        that polls for it later learns at once (SGLang's decode side sees `KVPoll.Failed`),
+        instead of holding its KV reservation for the whole poll."""
+        self._failed_rooms[room_id] = error
+        self.loop.call_later(self.settings.kv_hold_real_s, self._failed_rooms.pop, room_id, None)
 
     # -- PD: the decode side ------------------------------------------------------------------
 

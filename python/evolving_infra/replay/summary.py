@@ -1,0 +1,135 @@
+"""What one replay measured: per-request outcomes and the run's summary.
+
+Definitions (the `--json` summary's keys):
+- `issued`: requests sent to the router; `completed` of them answered in full (a stream that
+  ended with `[DONE]` and carried the usage), `failed` answered with an error or broken (by
+  reason in `errors`), `lost` neither: always 0 unless the replay's accounting has a bug.
+- `unissued`: requests the closed loop made ready but the run stopped (duration) before sending.
+- `requests_per_s`, `output_tokens_per_s`: completed requests and their output tokens over the
+  wall time from the first request to the last outcome (`elapsed_s`).
+- `hit_rate`: cached prompt tokens / prompt tokens over completed requests, as the router
+  reports them (`usage.prompt_tokens_details.cached_tokens`: what the serving engine found in
+  its KV cache); `ideal_hit_rate`: h* of the issued requests, in the order they were issued,
+  by `trace stats`'s rule (a request hits its leading blocks that each appeared in an earlier
+  request; blocks are directory hashes), so it bounds `hit_rate` up to page rounding.
+- `p50/p95/p99_ttft_s`: seconds from sending a request to its first content chunk (completed
+  requests; linear interpolation between order statistics, as `trace stats`); `mean_e2e_s`:
+  mean seconds from sending to the end of the stream. None (JSON null) when nothing completed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from evolving_infra.workloads.stats import percentile
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One issued request's result."""
+
+    ok: bool
+    reason: str | None = None  # why it failed (None when ok)
+    ttft: float | None = None  # seconds to the first content chunk
+    e2e: float | None = None  # seconds to the end of the stream
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    @classmethod
+    def failure(cls, reason: str, e2e: float | None = None) -> Outcome:
+        return cls(ok=False, reason=reason, e2e=e2e)
+
+
+class IdealCache:
+    """h* as `workloads.stats` defines it: one infinite cache, requests in issue order."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.hits = 0
+        self.blocks = 0
+
+    def add(self, hashes: Sequence[int]) -> None:
+        k = 0
+        while k < len(hashes) and hashes[k] in self.seen:
+            k += 1
+        self.seen.update(hashes)
+        self.hits += k
+        self.blocks += len(hashes)
+
+    @property
+    def rate(self) -> float | None:
+        return self.hits / self.blocks if self.blocks else None
+
+
+@dataclass(slots=True)
+class Summary:
+    agents: int
+    duration_s: float
+    elapsed_s: float
+    issued: int
+    completed: int
+    failed: int
+    lost: int
+    unissued: int
+    requests_per_s: float
+    output_tokens_per_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    hit_rate: float | None
+    ideal_hit_rate: float | None
+    p50_ttft_s: float | None
+    p95_ttft_s: float | None
+    p99_ttft_s: float | None
+    mean_e2e_s: float | None
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def summarize(
+    outcomes: Sequence[Outcome],
+    *,
+    agents: int,
+    duration_s: float,
+    elapsed_s: float,
+    issued: int,
+    unissued: int = 0,
+    ideal_hit_rate: float | None = None,
+) -> Summary:
+    """The summary of a run's outcomes (see the module docstring for each figure)."""
+    done = [o for o in outcomes if o.ok]
+    failed = [o for o in outcomes if not o.ok]
+    prompt = sum(o.prompt_tokens for o in done)
+    cached = sum(o.cached_tokens for o in done)
+    output = sum(o.output_tokens for o in done)
+    ttfts = sorted(o.ttft for o in done if o.ttft is not None)
+    e2es = [o.e2e for o in done if o.e2e is not None]
+    rate = 1 / elapsed_s if elapsed_s > 0 else 0.0
+    return Summary(
+        agents=agents,
+        duration_s=duration_s,
+        elapsed_s=elapsed_s,
+        issued=issued,
+        completed=len(done),
+        failed=len(failed),
+        lost=issued - len(done) - len(failed),
+        unissued=unissued,
+        requests_per_s=len(done) * rate,
+        output_tokens_per_s=output * rate,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        output_tokens=output,
+        hit_rate=cached / prompt if prompt else None,
+        ideal_hit_rate=ideal_hit_rate,
+        p50_ttft_s=percentile(ttfts, 50),
+        p95_ttft_s=percentile(ttfts, 95),
+        p99_ttft_s=percentile(ttfts, 99),
+        mean_e2e_s=sum(e2es) / len(e2es) if e2es else None,
+        errors=dict(sorted(Counter(o.reason or "unknown" for o in failed).items())),
+    )
