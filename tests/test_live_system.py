@@ -65,7 +65,8 @@ def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        with e:  # it holds the connection's socket
+            return e.code, json.loads(e.read())
 
 
 def _chat(router: str, content: str, branch: str | None = None, **extra: Any) -> tuple[int, Any]:
@@ -88,7 +89,8 @@ def test_kv_hits_are_visible_through_the_events(cluster: cluster_command.Cluster
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     page = 16
     assert cached >= (len(PROMPT) + 20) // page * page - 2 * page, again["usage"]
-    metrics = urllib.request.urlopen(f"{cluster.router_url}/metrics", timeout=10).read().decode()
+    with urllib.request.urlopen(f"{cluster.router_url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
     assert "evolving_cached_prompt_tokens_total" in metrics
 
 
@@ -197,6 +199,7 @@ def test_with_every_decode_engine_down_requests_get_503_with_the_reason(
         assert "engine 1" in answer["error"]["message"] or "decode" in answer["error"]["message"]
         with pytest.raises(urllib.error.HTTPError) as down:
             _get(f"{c.router_url}/health")  # not ready: no decode engine
+        down.value.close()
         assert down.value.code == 503
         ok = _get(f"{c.engine_urls[0]}/health")
         assert ok["state"] == "serving"

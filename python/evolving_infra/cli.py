@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from evolving_infra import demo, logs
 from evolving_infra.cluster import command as cluster_command
 from evolving_infra.engines.sim import command as engine_command
+from evolving_infra.replay import command as replay_command
 from evolving_infra.router import command as router_command
 from evolving_infra.router.config import RouterConfigError
 from evolving_infra.router.tokenize import TokenizerLoadError
@@ -45,6 +46,7 @@ COMMANDS: tuple[Command, ...] = (
     engine_command,
     router_command,
     cluster_command,
+    replay_command,
 )
 
 

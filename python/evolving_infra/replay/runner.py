@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -112,12 +111,10 @@ class Replayer:
         trace: Trace,
         settings: ReplaySettings,
         session: aiohttp.ClientSession,
-        on_outcome: Callable[[Outcome], None] | None = None,
     ) -> None:
         self.trace = trace
         self.settings = settings
         self.session = session
-        self.on_outcome = on_outcome
         self.progress = Progress()
         self.tokens = PromptTokens(trace.block_size, salt=settings.run_id)
         self.outcomes: list[Outcome] = []
@@ -147,7 +144,7 @@ class Replayer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), self.settings.duration)
         await self._stop()
-        return summarize(
+        summary = summarize(
             self.outcomes,
             agents=sum(a.follows is None for a in self.trace.agents),  # one per slot
             duration_s=self.settings.duration,
@@ -156,6 +153,13 @@ class Replayer:
             unissued=self.progress.unissued,
             ideal_hit_rate=self.ideal.rate,
         )
+        # Sessions cut off by the duration: end their branches, or they stay live at the router
+        # (their blocks counted as needed) until its TTL.
+        cut = sorted(self._begun - self._ended)
+        await asyncio.gather(
+            *(client.end_branch(self.session, self.settings.router, b) for b in cut)
+        )
+        return summary
 
     async def _stop(self) -> None:
         self._stopping = True
@@ -170,10 +174,6 @@ class Replayer:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        # Sessions cut off by the duration: end their branches, or they stay live at the router
-        # (their blocks counted as needed) until its TTL.
-        for key in sorted(self._begun - self._ended):
-            await client.end_branch(self.session, self.settings.router, key)
 
     # -- the closed loop ----------------------------------------------------------------------
 
@@ -278,8 +278,6 @@ class Replayer:
                 p.recent_ttft.append(outcome.ttft)
         else:
             p.failed += 1
-        if self.on_outcome is not None:
-            self.on_outcome(outcome)
 
     def _warn(self, failure: client.Failure, branch: str, index: int) -> None:
         # The first failure of each kind, with the router's message; the summary counts them all.

@@ -6,7 +6,7 @@ Definitions (the `--json` summary's keys):
   reason in `errors`), `lost` neither: always 0 unless the replay's accounting has a bug.
 - `unissued`: requests the closed loop made ready but the run stopped (duration) before sending.
 - `requests_per_s`, `output_tokens_per_s`: completed requests and their output tokens over the
-  wall time from the first request to the last outcome (`elapsed_s`).
+  wall time from the run's start to the end of its drain (`elapsed_s`).
 - `hit_rate`: cached prompt tokens / prompt tokens over completed requests, as the router
   reports them (`usage.prompt_tokens_details.cached_tokens`: what the serving engine found in
   its KV cache); `ideal_hit_rate`: h* of the issued requests, in the order they were issued,

@@ -52,6 +52,9 @@ EngineState = Literal["up", "draining", "down"]
 
 # SGLang's gateway draws the room as `u64 & i64::MAX` (notes §1.2): a non-negative i64.
 ROOM_MAX = (1 << 63) - 1
+# How long a decode-side failure waits for the prefill side's answer, which says whether the
+# prefill engine was the cause (then the request is retried elsewhere).
+PREFILL_VERDICT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -315,7 +318,17 @@ class PdDispatcher:
             failed = None if first.done() or prefill.cancelled() else prefill.exception()
             if failed is not None:
                 raise failed
-            event: GenerationEvent | None = await first
+            try:
+                event: GenerationEvent | None = await first
+            except EngineFailedError:
+                # The decode side gave up before streaming: when its prefill side failed, that
+                # is the cause (e.g. a prefill engine that began draining), and it is retryable.
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(prefill), PREFILL_VERDICT_S)
+                failed = None if not prefill.done() or prefill.cancelled() else prefill.exception()
+                if failed is not None:
+                    raise failed from None
+                raise
             while event is not None:
                 if self.slices is not None and isinstance(event, TextPiece):
                     self.slices.tokens(event.tokens)

@@ -1,0 +1,380 @@
+"""`evolving-infra replay`: prompt tokens, summary math, and closed-loop runs on a live cluster.
+
+The live tests start real processes on loopback (`live_helpers.LiveCluster`: two simulated
+engines, prefill and decode, and the router, exactly as `evolving-infra engine` and
+`evolving-infra router` run them) and replay traces through the real HTTP API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from evolving_infra import block_hashes, logs
+from evolving_infra.replay import command
+from evolving_infra.replay.client import (
+    HEADER_BRANCH,
+    HEADER_EVENT,
+    HEADER_PARENT,
+    UNKNOWN_BRANCH,
+    completion_body,
+)
+from evolving_infra.replay.prompts import PromptTokens
+from evolving_infra.replay.runner import Replayer, ReplaySettings, scale_time
+from evolving_infra.replay.summary import IdealCache, Outcome, summarize
+from evolving_infra.router import api as router_api
+from evolving_infra.router import branches as router_branches
+from evolving_infra.workloads.blocks import PromptHasher, chain_hashes
+from evolving_infra.workloads.model import (
+    Agent,
+    AgentId,
+    BlockId,
+    Branch,
+    BranchId,
+    BranchKind,
+    Request,
+    Trace,
+    validate,
+)
+from evolving_infra.workloads.stats import trace_stats
+from evolving_infra.workloads.timeline import trace_timeline
+from live_helpers import LiveCluster
+
+CLAUDE_CODE = Path(__file__).resolve().parent.parent / "data" / "traces" / "claude-code"
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# -- prompt tokens ----------------------------------------------------------------------------
+
+
+def test_shared_blocks_give_shared_tokens_and_pages() -> None:
+    bs, page = 64, 16
+    tokens = PromptTokens(bs, salt="s")
+    a = chain_hashes("ns", [BlockId(i) for i in (1, 2, 3, 4, 5)])
+    b = chain_hashes("ns", [BlockId(i) for i in (1, 2, 3, 9, 5)])  # diverges at block 3
+    ta = tokens.prompt(a, 5 * bs + 10, "a#0")
+    tb = tokens.prompt(b, 5 * bs + 10, "b#0")
+    assert len(ta) == len(tb) == 5 * bs + 10
+    assert ta[: 3 * bs] == tb[: 3 * bs]
+    assert _common(ta, tb) < 3 * bs + 8  # they part within the first tokens of block 3
+    # Each 64-token block is exactly 4 router pages: the shared prefix is 12 pages, no more.
+    pa, pb = block_hashes(ta, page), block_hashes(tb, page)
+    assert len(pa) == len(pb) == (5 * bs + 10) // page
+    assert _common(pa, pb) == 3 * bs // page
+    # The unblocked tails (10 tokens) belong to each request alone.
+    assert ta[5 * bs :] != tb[5 * bs :]
+    assert all(32 <= t <= 126 for t in ta + tb)
+
+
+def test_prompt_tokens_are_deterministic_and_salted() -> None:
+    h = chain_hashes("ns", [BlockId(7), BlockId(8)])
+    assert PromptTokens(16, "x").prompt(h, 40, "r") == PromptTokens(16, "x").prompt(h, 40, "r")
+    assert (
+        PromptTokens(16, "x").prompt(h, 40, "r")[:32]
+        != PromptTokens(16, "y").prompt(h, 40, "r")[:32]
+    )
+    # A partial last block (Mooncake counts it) is cut to the prompt's tokens.
+    assert PromptTokens(16, "x").prompt(h, 20, "r") == PromptTokens(16, "x").prompt(h, 40, "r")[:20]
+    assert len(PromptTokens(16).prompt([], 0, "r")) == 1  # never an empty prompt
+
+
+def test_a_continued_conversation_shares_its_full_blocks_and_a_new_namespace_nothing() -> None:
+    trace = _tree_trace()
+    hasher = PromptHasher(trace)
+    agent = trace.agents[0]
+    main = agent.root
+    tokens = PromptTokens(trace.block_size)
+    prompts = [
+        tokens.prompt(hasher.hashes(agent, main, r), r.prompt_tokens, f"main#{i}")
+        for i, r in enumerate(main.requests)
+    ]
+    bs = trace.block_size
+    # Request 1 extends request 0: all of request 0's 6 blocks, not its unblocked tail.
+    assert _common(prompts[0], prompts[1]) // bs == 6
+    # Request 2 is a compaction: only the shared system prefix (4 blocks) is left in common.
+    assert _common(prompts[1], prompts[2]) // bs == 4
+    other = Agent(AgentId("u"), "test", "u", agent.branches, prefix="sys")
+    h = PromptHasher(trace).hashes(other, main, main.requests[0])
+    assert _common(tokens.prompt(h, main.requests[0].prompt_tokens, "u"), prompts[0]) // bs == 4
+
+
+def test_completion_body_is_the_json_the_router_parses() -> None:
+    body = json.loads(completion_body("m", [32, 65, 126, 300], 7))
+    assert body == {
+        "model": "m",
+        "max_tokens": 7,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "prompt": [32, 65, 126, 300],
+    }
+    parsed = router_api.parse_completion(body)
+    assert parsed.prompt == (32, 65, 126, 300)
+    assert parsed.include_usage
+
+
+def test_headers_and_codes_are_the_routers() -> None:
+    assert HEADER_BRANCH == router_branches.HEADER_BRANCH
+    assert HEADER_PARENT == router_branches.HEADER_PARENT
+    assert HEADER_EVENT == router_branches.HEADER_EVENT
+    assert UNKNOWN_BRANCH == router_api.UNKNOWN_BRANCH
+
+
+# -- summary ------------------------------------------------------------------------------------
+
+
+def test_summary_math() -> None:
+    outcomes = [
+        Outcome(True, ttft=0.1, e2e=1.0, prompt_tokens=100, cached_tokens=50, output_tokens=10),
+        Outcome(True, ttft=0.3, e2e=2.0, prompt_tokens=300, cached_tokens=250, output_tokens=30),
+        Outcome(True, ttft=0.2, e2e=3.0, prompt_tokens=0, cached_tokens=0, output_tokens=20),
+        Outcome.failure("http_503:no_engine"),
+        Outcome.failure("timeout", e2e=600.0),
+        Outcome.failure("http_503:no_engine"),
+    ]
+    s = summarize(
+        outcomes, agents=2, duration_s=10, elapsed_s=4.0, issued=7, unissued=3, ideal_hit_rate=0.9
+    )
+    assert (s.completed, s.failed, s.lost, s.unissued) == (3, 3, 1, 3)
+    assert s.hit_rate == 300 / 400
+    assert s.requests_per_s == 3 / 4
+    assert s.output_tokens_per_s == 60 / 4
+    assert s.p50_ttft_s == pytest.approx(0.2)
+    assert s.p95_ttft_s == pytest.approx(0.2 + 0.9 * 0.1)  # interpolated, as `trace stats`
+    assert s.mean_e2e_s == 2.0  # completed requests only
+    assert s.errors == {"http_503:no_engine": 2, "timeout": 1}
+    d = s.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    for key in ("completed", "failed", "lost", "hit_rate", "p95_ttft_s", "mean_e2e_s"):
+        assert key in d
+    empty = summarize([], agents=1, duration_s=1, elapsed_s=0.0, issued=0)
+    assert (empty.hit_rate, empty.p50_ttft_s, empty.mean_e2e_s, empty.requests_per_s) == (
+        None,
+        None,
+        None,
+        0.0,
+    )
+
+
+def test_ideal_cache_is_trace_stats_h_star() -> None:
+    trace = _tree_trace()
+    hasher = PromptHasher(trace)
+    branches = {(a.id, b.id): b for a in trace.agents for b in a.branches}
+    cache = IdealCache()
+    for x in trace_timeline(trace):
+        cache.add(hasher.hashes(x.agent, branches[(x.agent.id, x.branch)], x.request))
+    assert cache.rate == trace_stats(trace).ideal_hit_rate
+
+
+def test_scale_time_divides_waits_and_delays() -> None:
+    trace = _tree_trace()
+    fast = scale_time(trace, 4.0)
+    validate(fast)
+    for a, b in zip(trace.agents[0].branches, fast.agents[0].branches, strict=True):
+        assert b.delay == a.delay / 4
+        assert [r.wait for r in b.requests] == [r.wait / 4 for r in a.requests]
+        assert [r.blocks for r in b.requests] == [r.blocks for r in a.requests]
+
+
+def test_failed_requests_count_with_their_reason_and_the_branches_go_on() -> None:
+    """A stand-in router (real aiohttp on loopback: the real router cannot be made to fail in
+    these ways on demand) answers its n-th request in one of five ways, in turn: the replay
+    counts each failure by reason, loses none, and the failed requests' branches go on, so
+    every request of the trace is still sent."""
+    modes = ["ok", "http_503", "stream_error", "broken", "no_usage"]
+    arrivals: list[int] = []  # prompt lengths, in arrival order
+    ended: list[str] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        mode = modes[len(arrivals) % len(modes)]
+        arrivals.append(len(body["prompt"]))
+        if mode == "http_503":
+            error = {"error": {"message": "no engine", "code": "no_engine"}}
+            return web.json_response(error, status=503)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(router_api.sse({"choices": [{"index": 0, "text": "ab"}]}))
+        if mode == "stream_error":
+            await resp.write(router_api.sse({"error": {"code": "engine_failed"}}))
+        elif mode == "ok":
+            usage = {"prompt_tokens": 10, "completion_tokens": 8,
+                     "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+            await resp.write(router_api.sse({"choices": [], "usage": usage}))
+        if mode != "broken":
+            await resp.write(router_api.SSE_DONE)
+        return resp
+
+    async def end(request: web.Request) -> web.Response:
+        ended.append(request.match_info["branch"])
+        return web.json_response({"ended": True})
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/branches/{branch}/end", end)
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
+            url = str(server.make_url("")).rstrip("/")
+            settings = ReplaySettings(url, "m", duration=30.0, run_id="f")
+            summary = await Replayer(_tree_trace(), settings, http).run()
+        assert (summary.issued, summary.completed, summary.failed, summary.lost) == (8, 2, 6, 0)
+        assert summary.errors == {
+            "broken_stream": 1,
+            "http_503:no_engine": 2,
+            "no_usage": 1,
+            "stream_error:engine_failed": 2,
+        }
+        assert summary.hit_rate == 0.4
+        # Branches whose last request failed, and the one-request fork, are ended by POST.
+        assert set(ended) <= {f"f.t/{b}" for b in ("main", "f1", "f2", "sub")}
+        assert "f.t/f2" in ended
+
+    asyncio.run(main())
+
+
+# -- live ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
+    with LiveCluster(tmp_path_factory.mktemp("live")) as c:
+        yield c
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        data: bytes = r.read()
+        return data
+
+
+def _branch_events(cluster: LiveCluster) -> dict[str, float]:
+    text = _get(f"{cluster.router_url}/metrics").decode()
+    pattern = r'^evolving_branch_events_total\{event="(\w+)"\} (\S+)$'
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
+
+
+def _live_branches(cluster: LiveCluster) -> int:
+    named: int = json.loads(_get(f"{cluster.router_url}/health"))["branches"]["named"]
+    return named
+
+
+def test_replay_claude_code_traces_hits_kv_end_to_end(
+    cluster: LiveCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure()  # as cli.main does: logs on stderr, stdout for the JSON
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    files = sorted(CLAUDE_CODE.glob("*.json.xz"))[:3]
+    args = parser.parse_args(
+        [*map(str, files), "--router", cluster.router_url, "--agents", "3", "--duration", "6",
+         "--speed", "100", "--drain-timeout", "20", "--json"]
+    )  # fmt: skip
+    assert command.run(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["completed"] > 0
+    assert summary["failed"] == 0, summary["errors"]
+    assert summary["lost"] == 0
+    # KV hits end to end: the router learned the engines' holdings from their KV events and the
+    # engines served the cached prefixes; a long conversation's prefix is most of each prompt.
+    assert summary["hit_rate"] > 0.3
+    assert summary["hit_rate"] <= summary["ideal_hit_rate"] + 0.01
+    assert summary["p95_ttft_s"] > 0
+    # Every branch the run began is ended, cut off by the duration or not.
+    assert _live_branches(cluster) == 0
+
+
+def test_replay_sends_the_branch_events_of_forks_sub_agents_and_compactions(
+    cluster: LiveCluster,
+) -> None:
+    trace = _tree_trace()
+    before = _branch_events(cluster)
+
+    async def main() -> Replayer:
+        settings = ReplaySettings(cluster.router_url, "m", duration=30.0, run_id="tree")
+        async with aiohttp.ClientSession() as session:
+            replayer = Replayer(trace, settings, session)
+            summary = await replayer.run()
+        assert (summary.issued, summary.completed, summary.failed) == (8, 8, 0), summary
+        assert summary.elapsed_s < 20  # the trace ran out: the replay did not wait for 30 s
+        return replayer
+
+    asyncio.run(main())
+    after = _branch_events(cluster)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("fork", "compaction", "end")}
+    # Two forks; one compaction; four branches ended, three by their last request's event and
+    # the one-request fork by POST (its request said `fork`).
+    assert delta == {"fork": 2.0, "compaction": 1.0, "end": 4.0}
+    assert _live_branches(cluster) == 0
+
+
+def _tree_trace() -> Trace:
+    """One agent: main (4 requests; the third joins a fork and a sub-agent and is a compaction),
+    fork f1 (2 requests) and fork f2 (1) spawned after main's first response, sub-agent `sub`
+    (1) after main's second; 32-token blocks after a 4-block shared system prompt."""
+    bs = 32
+
+    def req(
+        blocks: tuple[int, ...],
+        *,
+        join: tuple[BranchId, ...] = (),
+        compaction: bool = False,
+        end: bool = False,
+    ) -> Request:
+        ids = tuple(BlockId(b) for b in blocks)
+        # 5 tokens past the last full block: an unblocked tail, as Claude Code prompts have.
+        return Request(
+            wait=0.02, prompt_tokens=(4 + len(ids)) * bs + 5, output_tokens=8, blocks=ids,
+            shared=4, join=join, compaction=compaction, end=end,
+        )  # fmt: skip
+
+    main = Branch(
+        BranchId("main"),
+        BranchKind.ROOT,
+        requests=(
+            req((1, 2)),
+            req((1, 2, 3, 4)),
+            req((9,), join=(BranchId("f1"), BranchId("sub")), compaction=True),
+            req((9, 10), end=True),
+        ),
+    )
+    f1 = Branch(
+        BranchId("f1"),
+        BranchKind.FORK,
+        parent=BranchId("main"),
+        after=0,
+        requests=(req((1, 2, 7)), req((1, 2, 7, 8), end=True)),
+    )
+    f2 = Branch(
+        BranchId("f2"),
+        BranchKind.FORK,
+        parent=BranchId("main"),
+        after=0,
+        delay=0.01,
+        requests=(req((1, 2, 5), end=True),),
+    )
+    sub = Branch(
+        BranchId("sub"),
+        BranchKind.SUBAGENT,
+        parent=BranchId("main"),
+        after=1,
+        requests=(req((20,), end=True),),
+    )
+    agent = Agent(AgentId("t"), "test", "t", (main, f1, f2, sub), prefix="sys")
+    trace = Trace("tree", bs, (agent,), prefixes={"sys": 4})
+    validate(trace)
+    return trace
