@@ -92,6 +92,13 @@ def test_kv_hits_are_visible_through_the_events(cluster: cluster_command.Cluster
     with urllib.request.urlopen(f"{cluster.router_url}/metrics", timeout=10) as r:
         metrics = r.read().decode()
     assert "evolving_cached_prompt_tokens_total" in metrics
+    overhead = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("evolving_router_overhead_seconds_count")
+    ]
+    assert overhead, "router overhead histogram missing"
+    assert overhead[0] >= 2
 
 
 async def _load(router: str, stop: asyncio.Event, results: list[int], worker: int) -> None:

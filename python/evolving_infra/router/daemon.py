@@ -170,6 +170,7 @@ class RouterDaemon:
             enabled=cfg.planner,
         )
         self.dispatcher.slices = self.planner.slices
+        self.dispatcher.on_dispatch = self.metrics.overhead.observe
         app = build_app(
             self.dispatcher,
             self.tracker,

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 # long uncached prompt behind a queue); end-to-end adds the decode, up to minutes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+OVERHEAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -69,6 +70,13 @@ class RouterMetrics:
             "Arrival to the last generated piece, per completion route",
             ["route"],
             buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "evolving_router_overhead_seconds",
+            "Arrival to the requests leaving for the engines: parsing, tokenizing, hashing, the"
+            " branch update, the directory match and the routing decision",
+            buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(

@@ -24,7 +24,8 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -182,6 +183,8 @@ class PdDispatcher:
         self.loads = LoadTracker()
         # The planner's window, when a planner runs: arrivals and decoded tokens are counted here.
         self.slices: Slices | None = None
+        # Told each request's router overhead (arrival to leaving for the engines), in seconds.
+        self.on_dispatch: Callable[[float], None] | None = None
         self._rng = random.Random(seed)
 
     # -- engine states (the daemon's discovery and health loops call these) ---------------------
@@ -305,6 +308,8 @@ class PdDispatcher:
                 prefill_open = False
                 self.loads.done_prefill(p.node, place.prefill_s, place.uncached)
 
+        if self.on_dispatch is not None and attempt == 0:
+            self.on_dispatch(time.monotonic() - req.arrival)
         prefill = asyncio.create_task(self._prefill(p, {**body, "stream": False}))
         prefill.add_done_callback(prefill_done)
         stream = self._decode(d, body, req)
