@@ -99,6 +99,17 @@ def test_kv_hits_are_visible_through_the_events(cluster: cluster_command.Cluster
     ]
     assert overhead, "router overhead histogram missing"
     assert overhead[0] >= 2
+    # The router tells the engines which chains live branches need (every 2 s): the prefill
+    # engine holding agent-a's context keeps it ahead of unneeded blocks.
+    deadline = time.monotonic() + 10
+    hinted = 0
+    while hinted == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        hinted = sum(
+            _get(f"{url}/server_info")["internal_states"][0]["hinted_chains"]
+            for url in cluster.engine_urls
+        )
+    assert hinted >= 1
 
 
 async def _load(router: str, stop: asyncio.Event, results: list[int], worker: int) -> None:

@@ -25,3 +25,14 @@ def positive_seconds(text: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a rate, a scale factor)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value

@@ -29,7 +29,7 @@ from types import FrameType
 from rich.console import Console
 from rich.table import Table
 
-from evolving_infra.argtypes import natural_int, positive_int
+from evolving_infra.argtypes import natural_int, positive_float, positive_int, positive_seconds
 from evolving_infra.engines.pool.master import free_ports
 from evolving_infra.timing.specs import GPUS, MODELS
 
@@ -139,11 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--gpu", choices=sorted(GPUS), default="h100-sxm", help="GPU kind (default: %(default)s)")
     a("--tp", type=positive_int, default=1, help="GPUs per engine (default: 1)")
     a("--page-size", type=positive_int, default=16, help="tokens per KV page (default: 16)")
-    a("--time-scale", type=float, default=1.0,
+    a("--time-scale", type=positive_float, default=1.0,
       help="simulated seconds per real second in the engines (default: 1)")  # fmt: skip
     a("--no-pool", action="store_true", help="no Mooncake master: engines keep L2 to themselves")
     a("--no-planner", action="store_true", help="the router never switches engine phases")
-    a("--planner-interval", type=float, default=60.0,
+    a("--planner-interval", type=positive_seconds, default=60.0,
       help="seconds between the router's phase-split decisions (default: 60)")  # fmt: skip
     a("--log-dir", type=Path, default=Path("cluster-logs"),
       help="folder of every process's log (default: cluster-logs)")  # fmt: skip

@@ -131,6 +131,12 @@ class Hints:
         keep: set[int] = set()
         applied = ignored = 0
         for h, priority in hints:
+            if priority > 0 and h in self.hinted and self.events.holds(h):
+                # A block hash fixes its whole prefix: a block hinted already needs no update
+                # (the router repeats its hints every few seconds).
+                applied += 1
+                keep.add(h)
+                continue
             chain = self.chain(h) if self.events.holds(h) else None
             if chain is None:
                 ignored += 1

@@ -15,7 +15,7 @@ import zmq
 from aiohttp import web
 
 from evolving_infra import logs
-from evolving_infra.argtypes import natural_int, positive_int
+from evolving_infra.argtypes import natural_int, positive_float, positive_int
 from evolving_infra.control.server import serve as serve_control
 from evolving_infra.engines.events import KvEventPublisher
 from evolving_infra.engines.pool import DEFAULT_SCALE, MasterAddress, PoolError
@@ -25,17 +25,6 @@ from evolving_infra.engines.sim.http import build_app
 from evolving_infra.engines.sim.pool import parse_master, pool_config
 from evolving_infra.engines.sim.publish import ZmqKvSink
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
 
 NAME = "engine"
 HELP = "run one engine node (simulated: --backend sim)"

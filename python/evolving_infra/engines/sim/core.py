@@ -657,6 +657,7 @@ class SimEngine(EngineControlService):
             "evicted_blocks": kv.evicted,
             "demoted_blocks": kv.demoted,
             "dropped_blocks": kv.dropped,
+            "hinted_chains": len(self.hints.hinted),
             "completed": self.completed,
             "failed": self.failed,
             "iterations": self.env.seq,
