@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from evolving_infra.engines.pool import wire
+from evolving_infra.engines.pool.errors import RPC_FAIL
 from evolving_infra.engines.pool.wire import synthetic_payload
 
 
@@ -127,7 +128,15 @@ class _Worker:
         return [int(c) for c in self.store.batch_is_exist(keys)]
 
     def remove(self, keys: list[str], force: bool) -> list[int]:
-        return [int(self.store.remove(k, force)) for k in keys]
+        codes: list[int] = []
+        for k in keys:
+            codes.append(int(self.store.remove(k, force)))
+            if codes[-1] == RPC_FAIL:
+                # NOTE: with the master gone each key fails on its own after seconds of
+                # reconnecting (25 keys outlasted a 30 s call timeout, stalling every call
+                # queued behind): the first failure answers for the rest.
+                return codes + [RPC_FAIL] * (len(keys) - len(codes))
+        return codes
 
     def sizes(self, keys: list[str]) -> list[int]:
         return [int(self.store.get_size(k)) for k in keys]

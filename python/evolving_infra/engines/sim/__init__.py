@@ -7,10 +7,11 @@
 """
 
 from evolving_infra.engines.sim.cache import CacheEvents, KvEventSink, Medium
-from evolving_infra.engines.sim.core import EngineSettings, SimEngine
+from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.engines.sim.env import EngineHooks, RealTimeEnv, SampleSink
 from evolving_infra.engines.sim.http import build_app
 from evolving_infra.engines.sim.requests import Bootstrap, GenerateError, GenerateSpec, LiveRequest
+from evolving_infra.engines.sim.service import SimEngine
 
 __all__ = [
     "Bootstrap",

@@ -20,10 +20,11 @@ from evolving_infra.control.server import serve as serve_control
 from evolving_infra.engines.events import KvEventPublisher
 from evolving_infra.engines.pool import DEFAULT_SCALE, MasterAddress, PoolError
 from evolving_infra.engines.samples import ForwardPassMetricsPublisher
-from evolving_infra.engines.sim.core import EngineSettings, SimEngine
+from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.engines.sim.http import build_app
 from evolving_infra.engines.sim.pool import parse_master, pool_config
 from evolving_infra.engines.sim.publish import ZmqKvSink
+from evolving_infra.engines.sim.service import SimEngine
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "engine"

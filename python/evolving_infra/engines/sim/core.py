@@ -1,4 +1,5 @@
-"""`SimEngine`: one simulated engine node, the simulator's `Node` under a real-time driver.
+"""`EngineCore`: one simulated engine node, the simulator's `Node` under a real-time driver
+(`service.SimEngine` adds its EngineControl service).
 
 A request's life (SGLang's PD protocol, notes §1.2-1.5):
 - **mixed** (no bootstrap fields; prefill-phase engines only): queued and prefilled
@@ -22,16 +23,16 @@ flips in place, keeping its KV unless asked not to. Durations in results are sim
 
 Shared L2 pool (`settings.pool`, pool.py): the node's L2 blocks are also put in a Mooncake pool,
 and a prefill request's blocks past this node's L1/L2 are looked up and fetched there before it
-is queued; they count as pool hits in the simulator's `Node.reach`.
+is queued; they count as pool hits in the simulator's `Node.reach`. A PD hand-off's blocks
+really travel through the pool (the room is ready once they are in it; the decode side fetches
+them while the simulated transfer time passes), as do `TransferKV`s from the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,29 +40,10 @@ import aiohttp
 import structlog
 
 from evolving_infra._core import KvDirectory, block_hashes
-from evolving_infra.control.errors import (
-    CapacityError,
-    DrainTimeoutError,
-    EngineBusyError,
-    InvalidRequestError,
-    UnknownBlocksError,
-    UnsupportedError,
-)
 from evolving_infra.control.records import (
-    EngineInfo,
-    EvictionHints,
-    Health,
-    HintsResult,
     IterationSample,
     Phase,
-    PrefetchRequest,
-    PrefetchResult,
-    SwitchRequest,
-    SwitchResult,
-    TransferRequest,
-    TransferResult,
 )
-from evolving_infra.control.server import EngineControlService
 from evolving_infra.engines.pool import PoolConfig
 from evolving_infra.engines.sim.cache import CacheEvents, Hints, KvEventSink
 from evolving_infra.engines.sim.env import RealTimeEnv, SampleSink
@@ -81,7 +63,6 @@ from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.kv import BlockParents, NodeKv
 from evolving_infra.sim.node import Node, NodeSettings, blocks_for
-from evolving_infra.timing.samples import Sample
 from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
 
 log = structlog.get_logger("evolving_infra.engines.sim")
@@ -130,7 +111,7 @@ class _Room:
     hold: asyncio.TimerHandle | None = None
 
 
-class SimEngine(EngineControlService):
+class EngineCore:
     """Build inside a running event loop; `await start()` before serving, `close()` after."""
 
     def __init__(
@@ -386,7 +367,12 @@ class SimEngine(EngineControlService):
             seconds = self.settings.transfer_latency + moved * self.kv_bytes_per_token / (
                 self.kv_bandwidth
             )
-            await asyncio.sleep(self.env.real_seconds(seconds))
+            wait = asyncio.sleep(self.env.real_seconds(seconds))
+            if self.pool is None or "pool_blocks" not in body:
+                await wait
+            else:  # the real copy overlaps the simulated time: it is reported, not charged
+                copy = self.pool.fetch_transfer(body["pool_blocks"], sim.hashes[sim.h_d :])
+                await asyncio.gather(wait, copy)
             async with http.post(base + "/release") as r:
                 await r.read()
         except asyncio.CancelledError:
@@ -428,16 +414,13 @@ class SimEngine(EngineControlService):
         now, node = self.env.now, self.node
         if live.mode == "prefill":
             assert live.bootstrap is not None
-            room_id = live.bootstrap.room
-            room = self._rooms[room_id]
-            room.ready.set_result(
-                {"room": room_id, "prompt_tokens": req.prompt_tokens,
-                 "cached_tokens": live.cached_tokens, "first_token": live.planned[0],
-                 "blocks": len(req.hashes), "node_id": self.settings.node_id}
-            )  # fmt: skip
-            room.hold = self.loop.call_later(
-                self.settings.kv_hold_real_s, self._hold_expired, room_id
-            )
+            answer = {"room": live.bootstrap.room, "prompt_tokens": req.prompt_tokens,
+                      "cached_tokens": live.cached_tokens, "first_token": live.planned[0],
+                      "blocks": len(req.hashes), "node_id": self.settings.node_id}  # fmt: skip
+            if self.pool is None:
+                self._room_ready(answer)
+            else:  # ready once the blocks are in the pool for the decode side (pool.py)
+                live.task = self.loop.create_task(self._room_ready_after_pool(live, answer))
             return
         # Mixed: its own decode. The prefill's pins go first (an unpin touches the chain and
         # would undo the decode's pin), the queue is kicked once the decode holds its KV.
@@ -445,6 +428,24 @@ class SimEngine(EngineControlService):
         if node.offer(req, now):
             self.start_transfer(req)
         node.kick(now)
+
+    def _room_ready(self, answer: dict[str, Any]) -> None:
+        room_id = answer["room"]
+        room = self._rooms[room_id]
+        room.ready.set_result(answer)
+        room.hold = self.loop.call_later(self.settings.kv_hold_real_s, self._hold_expired, room_id)
+
+    async def _room_ready_after_pool(self, live: LiveRequest, answer: dict[str, Any]) -> None:
+        assert self.pool is not None
+        try:
+            answer["pool_blocks"] = await self.pool.offer(live.sim.id, live.sim.hashes)
+        except Exception:  # a bug there must not strand the room: simulated time only
+            log.exception("pool_offer_failed")
+            answer["pool_blocks"] = None
+        if self._by_sim.get(live.sim.id) is live:
+            self._room_ready(answer)
+        else:  # failed meanwhile (the engine is closing): no decode side will release it
+            self.pool.release(live.sim.id)
 
     def _hold_expired(self, room_id: int) -> None:
         error = GenerateError(f"room {room_id}: no decode engine pulled the KV in time", 504)
@@ -487,155 +488,6 @@ class SimEngine(EngineControlService):
 
     def changed(self, node: Node) -> None:
         self._changed.set()
-
-    # -- engine control -----------------------------------------------------------------------
-
-    async def get_info(self) -> EngineInfo:
-        s, kv = self.settings, self.kv
-        return EngineInfo(
-            node_id=s.node_id,
-            model=s.deployment.model.name,
-            backend="sim",
-            phase=self.node.phase,
-            page_size=s.page_size,
-            l1_capacity_blocks=kv.l1_capacity,
-            l2_capacity_blocks=kv.l2_capacity,
-            l1_used_blocks=min(kv.used, kv.l1_capacity),
-            l2_used_blocks=kv.l2_held,
-            http_url=s.http_url,
-            kv_events_endpoint=s.kv_events_endpoint,
-            kv_replay_endpoint=s.kv_replay_endpoint,
-            samples_endpoint=s.samples_endpoint,
-            version=VERSION,
-        )
-
-    async def health(self) -> Health:
-        state = self.node.state
-        if self._closed:
-            return Health("down", self.node.phase, "shutting down")
-        if state == "draining":
-            return Health("draining", self.node.phase, "draining for a phase switch")
-        if state == "down":
-            return Health("switching", self.node.phase, "switching phase")
-        return Health("serving", self.node.phase)
-
-    async def switch_phase(self, request: SwitchRequest) -> SwitchResult:
-        if self._switching:
-            raise EngineBusyError("a phase switch is already in progress")
-        self._switching = True
-        node, s, scale = self.node, self.settings, self.env.scale
-        previous, started = node.phase, self.loop.time()
-        node.state = "draining"
-        try:
-            now = self.env.now
-            handed = node.take_queued(now) + node.take_waiting()
-            for sim in handed:
-                live = self._by_sim.get(sim.id)
-                if live is not None:
-                    self._hand_back(live)
-            timeout = (request.drain_timeout_s / scale) or s.drain_timeout_real_s
-            deadline = started + timeout
-            while self._live or not node.drained():
-                left = deadline - self.loop.time()
-                if left <= 0:
-                    raise DrainTimeoutError(f"still {len(self._live)} requests after drain")
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), left)
-            drained = self.loop.time()
-            node.state = "down"
-            await asyncio.sleep(s.switch_seconds / scale)
-            node.phase = request.target
-            if not request.keep_kv:
-                self.hints.apply([], replace=True)
-                self.kv.clear()
-        finally:
-            node.state = "active"
-            self._switching = False
-        end = self.loop.time()
-        log.info("phase_switched", node=s.node_id, phase=node.phase, previous=previous)
-        return SwitchResult(
-            phase=node.phase,
-            previous_phase=previous,
-            drain_s=(drained - started) * scale,
-            switch_s=(end - drained) * scale,
-            total_s=(end - started) * scale,
-            l1_blocks_kept=self.kv.l1_held,
-            l2_blocks_kept=self.kv.l2_held,
-        )
-
-    async def transfer_kv(self, request: TransferRequest) -> TransferResult:
-        """Pulls a chain (from its first page) into this node's L1: from its own L2, or from
-        another node or the pool, whose holdings the caller vouches for (the router's
-        directory knows them; this engine cannot check)."""
-        src, dst, me = request.source, request.destination, self.settings.node_id
-        if dst.tier != "L1" or dst.node_id != me:
-            raise UnsupportedError("the simulated engine only pulls KV into its own L1")
-        hashes = list(request.hashes)
-        l1, l12 = self.directory.match(hashes).nodes.get(me, (0, 0))
-        if src.node_id == me and src.tier == "L2":
-            available, bandwidth = l12, self.l2_bandwidth
-        elif src.node_id == me:
-            raise InvalidRequestError("TransferKV: L1 to L1 of the same node moves nothing")
-        else:
-            available, bandwidth = len(hashes), self.kv_bandwidth
-        missing = hashes[available:]
-        if missing and not request.allow_partial:
-            raise UnknownBlocksError(f"the source lacks {len(missing)} of the blocks", missing)
-        moved = max(available - l1, 0)
-        seconds = self.settings.transfer_latency + moved * self.block_bytes / bandwidth
-        await asyncio.sleep(self.env.real_seconds(seconds))
-        now = self.env.now
-        l1 = self.directory.match(hashes).nodes.get(me, (0, 0))[0]  # it may have changed
-        chain = hashes[l1:available]
-        if chain:
-            self.parents.register(hashes[:available])
-            if not self.kv.reserve(len(chain), now):
-                raise CapacityError(f"no room for {len(chain)} blocks in L1")
-            self.kv.store(chain, hashes[l1 - 1] if l1 else None, now)
-            self.kv.reserved -= len(chain)
-        return TransferResult(len(chain), len(chain) * self.block_bytes, seconds, tuple(missing))
-
-    async def prefetch(self, request: PrefetchRequest) -> PrefetchResult:
-        """Fetches a queued request's L2 blocks into L1 (this engine has no pool of its own:
-        `source="pool"` reads the same host tier)."""
-        live = self._live.get(request.request_id)
-        if live is None or live.sim not in self.node.queue:
-            raise InvalidRequestError(f"request {request.request_id!r} is not queued here")
-        sim, now, me = live.sim, self.env.now, self.settings.node_id
-        l1, l12 = self.directory.match(list(request.hashes)).nodes.get(me, (0, 0))
-        missing = tuple(request.hashes[l12:])
-        if missing and not request.allow_partial:
-            raise UnknownBlocksError(f"{len(missing)} blocks are in no tier here", missing)
-        was = sim.prefetched
-        if not self.node.prefetch(sim, now):
-            return PrefetchResult(0, 0, 0.0, missing)
-        started = 0 if was else max(sim.cached_blocks - l1, 0)
-        seconds = max(sim.fetch_ready - now, 0.0)
-        if request.wait and seconds > 0:
-            await asyncio.sleep(self.env.real_seconds(seconds))
-            seconds = 0.0
-        return PrefetchResult(started, started if seconds == 0 else 0, seconds, missing)
-
-    async def set_eviction_hints(self, request: EvictionHints) -> HintsResult:
-        applied, ignored = self.hints.apply(request.hints, request.replace)
-        return HintsResult(applied, ignored)
-
-    async def iteration_samples(self) -> AsyncGenerator[IterationSample, None]:
-        q: asyncio.Queue[IterationSample | None] = asyncio.Queue(maxsize=4096)
-
-        def put(seq: int, wall: float, sample: Sample) -> None:
-            if not q.full():  # a slow subscriber loses samples, never stalls the engine
-                q.put_nowait(IterationSample.from_sample(sample, seq=seq, timestamp_s=wall))
-
-        self._streams.add(q)
-        stop = self.env.subscribe(put)
-        try:
-            while (item := await q.get()) is not None:
-                yield item
-        finally:
-            stop()
-            self._streams.discard(q)
 
     # -- views --------------------------------------------------------------------------------
 

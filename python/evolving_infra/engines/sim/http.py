@@ -31,7 +31,6 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from evolving_infra.engines.sim.core import SimEngine
 from evolving_infra.engines.sim.requests import (
     BadRequestError,
     Bootstrap,
@@ -40,6 +39,7 @@ from evolving_infra.engines.sim.requests import (
     LiveRequest,
     token_text,
 )
+from evolving_infra.engines.sim.service import SimEngine
 
 log = structlog.get_logger("evolving_infra.engines.sim")
 ENGINE = web.AppKey("engine", SimEngine)

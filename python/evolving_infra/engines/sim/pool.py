@@ -20,6 +20,14 @@ process: pyzmq and the Mooncake store cannot share the engine's process, docs/po
   request is done (reference-counted per block: prompts share prefixes); by then the blocks
   are in this node's L1 and its own events say so. The pseudo node never goes through
   `NodeKv`, so it emits no KV events and changes none of the node's counts.
+- **PD hand-offs through the store.** When a PD prefill is done, `offer` puts the prompt's
+  blocks that are not in the pool yet (real payload size over `scale`) as *transfer objects*
+  under the same keys as L2 blocks, and the room's answer names them; the decode side's
+  `fetch_transfer` really pulls them into its worker while the simulator's transfer time
+  passes. The prefill side's `release` (the room released) drops the objects through the same
+  flusher and lease-retry path as an L2 drop, unless the block is in this node's L2 by then.
+  Open transfers count references per block: the flusher never removes a block one of them
+  still needs. `fetch_chain` serves `TransferKV` from the pool the same way as a pool hit.
 - **Failures never reach the engine.** Any `PoolError` is logged and counted; a dead worker or
   master marks the pool down (lookups miss at once, nothing is queued) and a reconnect is tried
   with a growing back-off; once back, the blocks the node still holds in L2 are put again.
@@ -30,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +125,15 @@ class PoolCounters:
     bytes_fetched: int = 0
     errors: int = 0
     reconnects: int = 0
+    # PD hand-offs and TransferKV through the store (bytes are the pool's, scaled payloads).
+    transfers_offered: int = 0  # prefill side: rooms whose blocks were all in the pool
+    transfer_blocks_put: int = 0  # put for a decode side (not in the pool before)
+    transfer_bytes_put: int = 0
+    transfer_blocks_shared: int = 0  # already there (this node's L2, or another node's)
+    transfer_blocks_fetched: int = 0  # decode side / TransferKV: really fetched
+    transfer_bytes_fetched: int = 0
+    transfer_fetch_real_s: float = 0.0  # wall time of those fetches: reported, never charged
+    transfer_fallbacks: int = 0  # a put or fetch failed: the simulated-time-only path
 
 
 def _leading(flags: Sequence[bool]) -> int:
@@ -155,6 +173,8 @@ class EnginePool:
         self.in_pool: set[int] = set()  # blocks this engine put and has not removed
         self._held: dict[int, int] = {}  # pseudo-node blocks -> requests counting on them
         self._by_req: dict[int, list[int]] = {}
+        self._refs: dict[int, int] = {}  # blocks -> open PD hand-offs (prefill side) needing them
+        self._offered: dict[int, list[int]] = {}  # request -> its hand-off's blocks
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -242,6 +262,8 @@ class EnginePool:
             self.counters.blocks_put += len(stored)
 
     async def _remove(self, hashes: list[int]) -> None:
+        # A block an open hand-off still needs stays; `release` looks at it again after.
+        hashes = [h for h in hashes if h not in self._refs]
         for i in range(0, len(hashes), self.batch):
             client = self.client
             if client is None:
@@ -262,9 +284,14 @@ class EnginePool:
                 asyncio.get_running_loop().call_later(self.retry_real_s, self._retry, refused)
 
     def _retry(self, hashes: list[int]) -> None:
+        self._drop_unneeded(hashes)
+
+    def _drop_unneeded(self, hashes: Sequence[int]) -> None:
+        """Queues the removal of blocks this engine put that neither its L2 nor an open hand-off
+        needs. A newer wish (the block demoted again, still pending) wins."""
+        l2 = self.l2_blocks()
         for h in hashes:
-            # A newer wish (the block demoted again) wins over the retry.
-            if h in self.in_pool and h not in self.want:
+            if h in self.in_pool and h not in self.want and h not in self._refs and h not in l2:
                 self.want[h] = False
         self._wake.set()
 
@@ -308,23 +335,32 @@ class EnginePool:
     async def lookup(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` (the prompt's blocks after what the node holds)
         were in the pool and really fetched into this engine's worker; 0 on any failure."""
-        client = self.client
-        if client is None or not hashes:
+        if self.client is None or not hashes:
             return 0
         self.counters.lookups += 1
+        run = await self._fetch_run("lookup", hashes)
+        n, nbytes = run or (0, 0)
+        if n:
+            self.counters.hit_requests += 1
+            self.counters.blocks_fetched += n
+            self.counters.bytes_fetched += nbytes
+        return n
+
+    async def _fetch_run(self, op: str, hashes: Sequence[int]) -> tuple[int, int] | None:
+        """Blocks and bytes of the leading run of `hashes` found in the pool and really fetched
+        into this engine's worker; None when the pool is down or failed."""
+        client = self.client
+        if client is None:
+            return None
         try:
             found = _leading(await client.exists(hashes))
             sizes = await client.fetch_batch(hashes[:found]) if found else []
         except PoolError as e:
-            self._failed("lookup", e)
-            return 0
+            self._failed(op, e)
+            return None
         # Missing and failed transfers both read as None (docs/pool.md): the run stops there.
         n = _leading([s is not None for s in sizes])
-        if n:
-            self.counters.hit_requests += 1
-            self.counters.blocks_fetched += n
-            self.counters.bytes_fetched += sum(s or 0 for s in sizes[:n])
-        return n
+        return n, sum(s or 0 for s in sizes[:n])
 
     def hold(self, req_id: int, hashes: Sequence[int], start: int, n: int) -> None:
         """Registers `hashes[start:start+n]` (fetched by request `req_id`) as held in L2 by the
@@ -343,6 +379,9 @@ class EnginePool:
         self._by_req.setdefault(req_id, []).extend(run)
 
     def release(self, req_id: int) -> None:
+        """The request is done: its pool-hit blocks leave the pseudo node and its hand-off's
+        transfer objects (prefill side) become garbage."""
+        self._end_offer(req_id)
         run = self._by_req.pop(req_id, None)
         if not run:
             return
@@ -356,6 +395,128 @@ class EnginePool:
                 gone.append(h)
         if gone:
             self.directory.remove(self.pseudo_node, "L2", gone)
+
+    # -- PD hand-offs and TransferKV through the store ----------------------------------------
+
+    async def offer(self, req_id: int, hashes: Sequence[int]) -> list[int] | None:
+        """Prefill side, once request `req_id`'s prefill is done: makes every block of its
+        prompt fetchable from the pool (those not in it yet are put, the real payload size
+        over `scale`) and returns the hashes the decode side should fetch; None (the hand-off
+        falls back to simulated time only) when the pool is down or a put failed. The blocks
+        stay until `release(req_id)`."""
+        assert req_id not in self._offered, "one hand-off per request"
+        blocks = list(dict.fromkeys(hashes))
+        if not blocks:
+            return []
+        if self.client is None:
+            self._fallback("offer", "the pool is down")
+            return None
+        # References first: a flush in flight must not remove an L2 block this hand-off uses.
+        self._offered[req_id] = blocks
+        for h in blocks:
+            self._refs[h] = self._refs.get(h, 0) + 1
+        todo = [h for h in blocks if h not in self.in_pool]
+        client = self.client
+        try:
+            if todo:
+                # NOTE: Mooncake answers a put of a key already there with success and keeps
+                # the old value (0.3.13, measured), so blocks another node put are found
+                # first: readable, but not this engine's to remove afterwards.
+                there = await client.exists(todo)
+                todo = [h for h, t in zip(todo, there, strict=True) if not t]
+            for i in range(0, len(todo), self.batch):
+                chunk = todo[i : i + self.batch]
+                try:
+                    await client.put_batch([(h, None) for h in chunk])  # synthetic, block_bytes
+                except PoolFullError as e:
+                    self._own(e.stored)  # in before the pool filled: garbage of this hand-off
+                    raise
+                self._own(chunk)
+        except PoolFullError as e:
+            why = f"pool full: {len(e.rejected)} blocks rejected"
+        except PoolError as e:
+            self._failed("offer", e)
+            why = self.last_error
+        else:
+            self.counters.transfers_offered += 1
+            self.counters.transfer_blocks_shared += len(blocks) - len(todo)
+            return blocks
+        self._end_offer(req_id)
+        self._fallback("offer", why)
+        return None
+
+    def _own(self, hashes: list[int]) -> None:
+        self.in_pool.update(hashes)
+        self.counters.transfer_blocks_put += len(hashes)
+        self.counters.transfer_bytes_put += len(hashes) * self.config.block_bytes
+
+    def _end_offer(self, req_id: int) -> None:
+        blocks = self._offered.pop(req_id, None)
+        if not blocks:
+            return
+        free: list[int] = []
+        for h in blocks:
+            left = self._refs[h] - 1
+            if left:
+                self._refs[h] = left
+            else:
+                del self._refs[h]
+                free.append(h)
+        self._drop_unneeded(free)
+
+    def _fallback(self, op: str, why: str) -> None:
+        self.counters.transfer_fallbacks += 1
+        log.warning("pool_transfer_fallback", op=op, reason=why)
+
+    async def fetch_transfer(self, offered: object, need: Sequence[int]) -> None:
+        """Decode side: really fetches the blocks of `need` (those it lacks) that the prefill
+        side `offer`ed (from its room's JSON, so checked here). Never raises: a failure is
+        counted and the hand-off is the simulated-time-only one."""
+        if not isinstance(offered, list) or not all(type(h) is int for h in offered):
+            self._fallback("fetch", "the prefill side's answer names no blocks")
+            return
+        listed = set(offered)
+        todo = [h for h in need if h in listed]
+        client = self.client
+        if not todo:
+            return
+        if client is None:
+            self._fallback("fetch", "the pool is down")
+            return
+        started = time.perf_counter()
+        sizes: list[int | None] = []
+        try:
+            for i in range(0, len(todo), self.batch):
+                sizes += await client.fetch_batch(todo[i : i + self.batch])
+        except PoolError as e:
+            self._failed("fetch", e)
+            self._fallback("fetch", self.last_error)
+            return
+        finally:
+            c = self.counters
+            c.transfer_fetch_real_s += time.perf_counter() - started
+            c.transfer_blocks_fetched += sum(s is not None for s in sizes)
+            c.transfer_bytes_fetched += sum(s or 0 for s in sizes)
+        if None in sizes:
+            self._fallback("fetch", f"{sizes.count(None)} of {len(todo)} blocks missing")
+
+    async def fetch_chain(self, hashes: Sequence[int]) -> int | None:
+        """`TransferKV` from the pool (or a node's L2 kept there): how many leading blocks of
+        `hashes` were found and really fetched, as for a pool hit; None when the pool is down
+        or failed (the caller falls back to what the request vouches for)."""
+        if not hashes:
+            return 0
+        started = time.perf_counter()
+        run = await self._fetch_run("transfer_kv", hashes)
+        if run is None:
+            self._fallback("transfer_kv", self.last_error or "the pool is down")
+            return None
+        n, nbytes = run
+        c = self.counters
+        c.transfer_fetch_real_s += time.perf_counter() - started
+        c.transfer_blocks_fetched += n
+        c.transfer_bytes_fetched += nbytes
+        return n
 
     # -- views --------------------------------------------------------------------------------
 
@@ -371,6 +532,7 @@ class EnginePool:
             "up": client is not None,
             "blocks_in_pool": len(self.in_pool),
             "pending": len(self.want),
+            "open_transfers": len(self._offered),
             **dataclasses.asdict(self.counters),
             "last_error": self.last_error,
             "client": None if client is None else dataclasses.asdict(client.stats()),

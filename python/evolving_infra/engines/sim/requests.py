@@ -114,7 +114,8 @@ class LiveRequest:
         self.finished = False
         self.error: GenerateError | None = None
         self._changed = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None  # the decode side's KV pull
+        # A pending step (a pool look-up or hand-off, the KV pull): cancelled on close.
+        self.task: asyncio.Task[None] | None = None
 
     @property
     def prompt_tokens(self) -> int:
