@@ -385,14 +385,7 @@ class EnginePool:
         run = self._by_req.pop(req_id, None)
         if not run:
             return
-        gone: list[int] = []
-        for h in run:
-            left = self._held[h] - 1
-            if left:
-                self._held[h] = left
-            else:
-                del self._held[h]
-                gone.append(h)
+        gone = _release(self._held, run)
         if gone:
             self.directory.remove(self.pseudo_node, "L2", gone)
 
@@ -454,15 +447,7 @@ class EnginePool:
         blocks = self._offered.pop(req_id, None)
         if not blocks:
             return
-        free: list[int] = []
-        for h in blocks:
-            left = self._refs[h] - 1
-            if left:
-                self._refs[h] = left
-            else:
-                del self._refs[h]
-                free.append(h)
-        self._drop_unneeded(free)
+        self._drop_unneeded(_release(self._refs, blocks))
 
     def _fallback(self, op: str, why: str) -> None:
         self.counters.transfer_fallbacks += 1
@@ -537,3 +522,16 @@ class EnginePool:
             "last_error": self.last_error,
             "client": None if client is None else dataclasses.asdict(client.stats()),
         }
+
+
+def _release(counts: dict[int, int], hashes: Sequence[int]) -> list[int]:
+    """Takes one reference off each of `hashes`; returns those left with none."""
+    free: list[int] = []
+    for h in hashes:
+        left = counts[h] - 1
+        if left:
+            counts[h] = left
+        else:
+            del counts[h]
+            free.append(h)
+    return free
