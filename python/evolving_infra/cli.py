@@ -22,6 +22,7 @@ from evolving_infra.router import command as router_command
 from evolving_infra.router.config import RouterConfigError
 from evolving_infra.router.tokenize import TokenizerLoadError
 from evolving_infra.sim import command as sim_command
+from evolving_infra.sim import scenario_command
 from evolving_infra.timing import TimingError
 from evolving_infra.timing import command as model_command
 from evolving_infra.workloads import TraceError, TraceFormatError
@@ -43,6 +44,7 @@ COMMANDS: tuple[Command, ...] = (
     trace_command,
     model_command,
     sim_command,
+    scenario_command,
     engine_command,
     router_command,
     cluster_command,

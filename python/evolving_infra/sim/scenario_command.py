@@ -1,0 +1,158 @@
+"""`evolving-infra scenario`: the paper's scenarios, run by name, with a report of its claims."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from evolving_infra.argtypes import natural_int
+from evolving_infra.sim.run import main_table
+from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, run_scenario
+from evolving_infra.workloads.errors import WorkloadError
+
+NAME = "scenario"
+HELP = "run the paper's scenarios by name and check its claims"
+DESCRIPTION = """\
+Named simulator scenarios (issue 5): stationary Claude Code, Putnam and OSWorld at three
+concurrency levels, the shifting mix, initial splits converging, the no-planner ablation and
+36 / 256 / 3,072 GPUs. Each is one or more `sim` comparisons.
+
+  scenario list                          names, what each shows, the claim, expected wall time
+  scenario run NAME [--quick] [--seed K] [--out DIR]
+
+`run` writes DIR/NAME/results.json (every run's results as `sim` writes them, under "runs", and
+the verdicts under "claims") and DIR/NAME/report.md (a table per run, the split over time for
+policies with a planner, and "paper claim -> measured -> reproduced?"). --quick runs a shorter,
+smaller variant (under ~2 minutes on 2 cores, except scale-3072). See docs/scenarios.md."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub.add_parser("list", help="the scenarios, what each shows and the claim it checks")
+    run = sub.add_parser("run", help="run one scenario and write its report")
+    run.add_argument("name", choices=sorted(SCENARIOS), metavar="NAME", help="a scenario name")
+    run.add_argument("--quick", action="store_true", help="the short, smaller variant")
+    run.add_argument("--seed", type=natural_int, default=0, help="seed (default: 0)")
+    run.add_argument(
+        "--out", type=Path, default=Path("scenario-results"), help="(default: scenario-results)"
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        _list()
+        return 0
+    size = Size(quick=args.quick, seed=args.seed)
+    path = run_to(args.name, size, args.out, progress=not args.no_progress)
+    print(path.read_text(encoding="utf-8"), end="")
+    print(f"wrote {path.parent}/results.json and report.md", file=sys.stderr)
+    return 0
+
+
+def _list() -> None:
+    table = Table(title="evolving-infra scenario run NAME [--quick]", show_lines=True)
+    for col in ("name", "what it shows", "paper claim checked", "wall: full / --quick"):
+        table.add_column(col, overflow="fold")
+    for s in SCENARIOS.values():
+        table.add_row(s.name, s.shows, s.claim, s.wall)
+    Console().print(table)
+
+
+def run_to(name: str, size: Size, out: Path, *, progress: bool = False) -> Path:
+    """Runs scenario `name` and writes OUT/NAME/results.json and report.md; returns the
+    report's path."""
+    if name not in SCENARIOS:
+        raise WorkloadError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
+    scenario = SCENARIOS[name]
+    console = Console(stderr=True)
+
+    def on_run(i: int, n: int, r: ScenarioRun) -> None:
+        if progress:
+            console.rule(f"[bold]{name}[/] run {i + 1}/{n}: {r.label} ({r.workload.describe()})")
+
+    start = time.perf_counter()
+    try:
+        results = run_scenario(scenario, size, progress=progress, on_run=on_run)
+    except ValueError as e:  # a configuration that does not fit (e.g. a test override)
+        raise WorkloadError(str(e)) from None
+    results["wall_s"] = time.perf_counter() - start
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    path = folder / "report.md"
+    path.write_text(report(results), encoding="utf-8")
+    return path
+
+
+def report(results: dict[str, Any]) -> str:
+    """The Markdown report of `run_scenario`'s results."""
+    variant = "quick" if results["quick"] else "full"
+    wall = results.get("wall_s")
+    lines = [
+        f"# Scenario `{results['scenario']}` ({variant}, seed {results['seed']})",
+        "",
+        f"What it shows: {results['shows']}.",
+        f"Paper claim: {results['claim']}.",
+    ]
+    if wall is not None:
+        lines.append(f"Wall time: {wall:,.0f} s.")
+    for label, r in results["runs"].items():
+        c, w = r["config"], r["workload"]
+        lines += [
+            "",
+            f"## {label}",
+            "",
+            f"{w['kind']}: {w['agents']} agents, {w['duration']:,.0f} s; {c['gpus']} GPUs ="
+            f" {c['nodes']} nodes of {c['deployment']['tp']} x {c['deployment']['gpu']}"
+            f" ({c['deployment']['model']}); {r['trace']['requests']:,} requests in the trace;"
+            f" wall {sum(x['wall_s'] for x in r['runtime'].values()):,.1f} s.",
+            "",
+            main_table(r).rstrip("\n"),
+        ]
+        best = r["policies"].get("best-static")
+        if best is not None and "splits" in best:
+            sweep = ", ".join(f"{k} {v:,.0f}" for k, v in best["splits"].items())
+            lines += ["", f"Static splits, tokens/s: {sweep}."]
+        splits = _split_lines(r)
+        if splits:
+            lines += ["", "Split over time (minute: split; +k: nodes switching):", "", *splits]
+    lines += [
+        "",
+        "## Paper claims",
+        "",
+        "| paper claim | what we measured | reproduced? | why |",
+        "|---|---|---|---|",
+    ]
+    for v in results["claims"]:
+        cells = (v["claim"], v["measured"], f"**{v['outcome']}**", v["why"])
+        lines.append("| " + " | ".join(x.replace("|", "/") for x in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _split_lines(results: dict[str, Any]) -> list[str]:
+    """One line per policy with a planner (static splits never move): the minutes where its
+    split changed."""
+    out = []
+    for name, f in results["policies"].items():
+        points = f.get("timeline", [])
+        if not points or name == "best-static" or name.startswith("static:"):
+            continue
+        steps: list[str] = []
+        last: tuple[int, int, int] | None = None
+        for p in points:
+            now = (p["prefill"], p["decode"], p["down"])
+            if now != last:
+                down = f"+{p['down']}" if p["down"] else ""
+                steps.append(f"{p['t'] / 60:.0f}: {p['prefill']}P{p['decode']}D{down}")
+                last = now
+        final = f.get("final_split") or "-"
+        out.append(f"- {name}: " + " -> ".join(steps) + f" (final {final})")
+    return out

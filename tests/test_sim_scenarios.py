@@ -1,0 +1,191 @@
+"""`evolving-infra scenario`: every scenario builds, a tiny run writes its files, and each claim
+check can say yes and no on hand-made results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from evolving_infra.sim import claims, scenario_command
+from evolving_infra.sim.policies import PolicySpec
+from evolving_infra.sim.scenarios import SCENARIOS, Size
+from evolving_infra.workloads.errors import WorkloadError
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_scenario_builds(name: str, quick: bool) -> None:
+    runs = SCENARIOS[name].runs(Size(quick=quick, seed=3))
+    assert runs
+    assert len({r.label for r in runs}) == len(runs)
+    for r in runs:
+        assert r.config.seed == 3
+        assert r.config.duration == r.workload.duration
+        assert r.workload.agents >= 1
+        assert r.policies
+        for p in r.policies:  # strings are policy names; specs start on a split of the cluster
+            if isinstance(p, PolicySpec) and p.split is not None:
+                assert p.split.prefill + p.split.decode == r.config.nodes
+    if quick and not name.startswith("scale-"):
+        assert all(r.config.duration is not None and r.config.duration <= 900 for r in runs)
+
+
+LEVELS = ("low", "mid", "high")
+
+
+def test_levels_order_the_load() -> None:
+    for kind in ("cc", "putnam", "osworld"):
+        agents = [SCENARIOS[f"{kind}-{lv}"].runs(Size())[0].workload.agents for lv in LEVELS]
+        assert agents == sorted(agents)
+        assert len(set(agents)) == 3
+
+
+def test_initial_splits_start_where_named() -> None:
+    runs = SCENARIOS["initial-splits"].runs(Size(quick=True))
+    assert [r.label for r in runs] == ["3P6D", "4P5D", "5P4D", "6P3D"]
+    for r in runs:
+        (spec,) = r.policies
+        assert isinstance(spec, PolicySpec)
+        assert spec.name == "evolving"
+        assert str(spec.split) == r.label
+        assert r.config.nodes == 9
+
+
+def test_size_overrides() -> None:
+    s = Size(quick=True, duration=60.0, max_agents=2)
+    assert s.seconds(3600, 600) == 60.0
+    assert s.agents(100) == 2
+    assert Size().agents(0.2) == 1
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    scenario_command.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scenario_command.run(parse("list")) == 0
+    out = capsys.readouterr().out
+    for name in SCENARIOS:
+        assert name in out
+
+
+def test_tiny_run_writes_results_and_report(tmp_path: Path) -> None:
+    # Smaller than --quick: 2 agents for 90 simulated seconds, on the quick 16-GPU cluster.
+    size = Size(quick=True, seed=1, duration=90.0, max_agents=2)
+    path = scenario_command.run_to("no-planner", size, tmp_path)
+    assert path == tmp_path / "no-planner" / "report.md"
+    results = json.loads((tmp_path / "no-planner" / "results.json").read_text())
+    assert set(results["runs"]) == {"cc", "shift"}
+    for r in results["runs"].values():
+        assert set(r["policies"]) == {"evolving", "no-planner", "dynamo"}
+        assert r["config"]["nodes"] == 4
+        assert r["workload"]["agents"] == 2
+        assert r["policies"]["no-planner"]["switches"] == 0
+    verdicts = {v["claim"]: v["outcome"] for v in results["claims"]}
+    assert len(verdicts) == 2
+    assert set(verdicts.values()) <= {"yes", "partly", "no", "n/a"}
+    report = path.read_text()
+    assert "## Paper claims" in report
+    assert "| reproduced? |" in report
+    assert "| no-planner |" in report
+    assert "Split over time" in report
+
+
+def test_unknown_scenario_is_a_workload_error(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="unknown scenario"):
+        scenario_command.run_to("nope", Size(), tmp_path)
+
+
+# Hand-made results: only the fields the checks read.
+
+
+def fig(tps: float = 100.0, lost: float = 0.0, p95: float = 1.0, **extra: Any) -> dict[str, Any]:
+    return {
+        "throughput_tokens_per_s": tps,
+        "lost_kv_reuse": lost,
+        "p95_ttft_s": p95,
+        "switch_log": [],
+        **extra,
+    }
+
+
+def runs(**policies: dict[str, Any]) -> dict[str, Any]:
+    return {"r": {"policies": policies}}
+
+
+def test_best_static_check() -> None:
+    best = fig(100.0, split="4P5D")
+    ok = claims.evolving_vs_best_static(runs(evolving=fig(98.0), **{"best-static": best}))
+    assert ok.outcome == "yes"
+    assert "4P5D" in ok.measured
+    mid = claims.evolving_vs_best_static(runs(evolving=fig(93.0), **{"best-static": best}))
+    assert mid.outcome == "partly"
+    bad = claims.evolving_vs_best_static(runs(evolving=fig(80.0), **{"best-static": best}))
+    assert bad.outcome == "no"
+    assert claims.evolving_vs_best_static(runs(evolving=fig())).outcome == "n/a"
+
+
+def test_lost_reuse_check() -> None:
+    assert claims.lost_reuse(runs(evolving=fig(lost=0.01), dynamo=fig(lost=0.2))).outcome == "yes"
+    small_gap = claims.lost_reuse(runs(evolving=fig(lost=0.01), dynamo=fig(lost=0.015)))
+    assert small_gap.outcome == "partly"
+    assert claims.lost_reuse(runs(evolving=fig(lost=0.1), dynamo=fig(lost=0.3))).outcome == "no"
+    assert claims.lost_reuse(runs(dynamo=fig())).outcome == "n/a"
+
+
+def test_ttft_check() -> None:
+    assert claims.ttft_balancing(runs(evolving=fig(p95=3), dynamo=fig(p95=30))).outcome == "yes"
+    assert claims.ttft_balancing(runs(evolving=fig(p95=3), dynamo=fig(p95=4))).outcome == "partly"
+    assert claims.ttft_balancing(runs(evolving=fig(p95=5), dynamo=fig(p95=4))).outcome == "no"
+
+
+def log(down: float, n: int = 1) -> list[dict[str, float]]:
+    return [{"requested": 0.0, "drained": 10.0, "up": 10.0 + down}] * n
+
+
+def test_switch_cost_check() -> None:
+    good = runs(evolving=fig(switch_log=log(6.2)), dynamo=fig(switch_log=log(700.0)))
+    assert claims.switch_cost(good).outcome == "yes"
+    one = claims.switch_cost(runs(evolving=fig(switch_log=log(6.2)), dynamo=fig()))
+    assert one.outcome == "partly"
+    bad = runs(evolving=fig(switch_log=log(60.0)), dynamo=fig(switch_log=log(700.0)))
+    assert claims.switch_cost(bad).outcome == "no"
+    assert claims.switch_cost(runs(evolving=fig(), dynamo=fig())).outcome == "n/a"
+
+
+def test_beats_baselines_check() -> None:
+    win = runs(evolving=fig(110), dynamo=fig(100), arrow=fig(90))
+    assert claims.beats_baselines(win).outcome == "yes"
+    half = runs(evolving=fig(95), dynamo=fig(100), arrow=fig(90))
+    assert claims.beats_baselines(half).outcome == "partly"
+    lose = runs(evolving=fig(80), dynamo=fig(100), arrow=fig(90))
+    assert claims.beats_baselines(lose).outcome == "no"
+
+
+def starts(*ends: str) -> dict[str, Any]:
+    labels = ("3P6D", "4P5D", "5P4D", "6P3D")
+    return {
+        a: {"policies": {"evolving": fig(final_split=b)}} for a, b in zip(labels, ends, strict=True)
+    }
+
+
+def test_initial_splits_check() -> None:
+    assert claims.initial_splits_converge(starts("5P4D", "5P4D", "4P5D", "5P4D")).outcome == "yes"
+    v = claims.initial_splits_converge(starts("4P5D", "4P5D", "5P4D", "6P3D"))
+    assert v.outcome == "partly"
+    assert "spread 3 -> 2" in v.measured
+    assert claims.initial_splits_converge(starts("3P6D", "4P5D", "5P4D", "6P3D")).outcome == "no"
+
+
+def test_planner_ablation_check() -> None:
+    kw = {"no-planner": fig(100, lost=0.01)}
+    assert claims.planner_ablation(runs(evolving=fig(110), **kw)).outcome == "yes"
+    assert claims.planner_ablation(runs(evolving=fig(100), **kw)).outcome == "partly"
+    lossy = {"no-planner": fig(100, lost=0.2)}
+    assert claims.planner_ablation(runs(evolving=fig(80), **lossy)).outcome == "no"
