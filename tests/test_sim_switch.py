@@ -140,3 +140,36 @@ def test_a_draining_prefill_node_hands_its_queue_to_the_others() -> None:
     assert queued_when_asked[0] >= 3, "the scenario must queue work on the switching node"
     # Only the running chunked iterations remain: seconds, not the minutes of a long queue.
     assert s.drained - s.requested < 20.0
+
+
+@pytest.mark.parametrize("mode", ["in-place-keep", "in-place-drop"])
+def test_a_prefill_node_switching_to_decode_adopts_the_requests_it_prefilled(
+    mode: SwitchMode,
+) -> None:
+    """Decode saturated (Putnam's long outputs on one decode node): finished prefills wait with
+    their KV pinned on the prefill nodes. Keeping its KV, a prefill node switching to decode
+    takes the ones it prefilled and decodes them itself, instead of draining until the saturated
+    node admits them; a switch that drops the KV cannot, and waits."""
+    trace = generate("putnam", SlotPlan(agents=12, duration=900, seed=4))
+    planner = OneSwitch(mode, Split(2, 2), when=120.0)
+    cluster = Cluster(
+        trace,
+        SimConfig(gpus=16, duration=600, seed=2),
+        replace(static(Split(3, 1)), name="one-switch", planner=lambda ctx: planner),
+    )
+    cluster.run()
+    assert cluster.switcher is not None
+    [s] = cluster.switcher.log
+    if mode == "in-place-keep":
+        assert s.adopted
+        assert 0 <= s.drained - s.requested < 30.0
+        assert s.up > 0
+        # Each adopted request was decoded to the end, or is still decoding (or waiting for
+        # room) on the switched node, the only one holding its KV: none is lost.
+        node = cluster.nodes[s.node]
+        there = {r.id for r in (*node.batch, *node.joining, *node.waiting)}
+        assert set(s.adopted) <= cluster.metrics.done_ids | there
+        assert set(s.adopted) & cluster.metrics.done_ids
+    else:
+        assert not s.adopted
+        assert s.drained < 0 or s.drained - s.requested >= 30.0

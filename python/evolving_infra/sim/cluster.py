@@ -117,6 +117,8 @@ class Cluster:
                 self._route_decode,
                 self._retry_pending,
                 self._route_prefill,
+                self._take_prefilled,
+                self.start_transfer,
             )
         self.pending_prefill: deque[SimRequest] = deque()
         self.pending_decode: deque[SimRequest] = deque()
@@ -256,6 +258,21 @@ class Cluster:
                 f"router {self.router.name!r} chose {node}, not an accepting {phase} node"
             )
         return n
+
+    def _take_prefilled(self, prefill_node: int) -> list[SimRequest]:
+        """Requests prefilled on `prefill_node` that wait for a decode node, taken out of the
+        decode nodes' queues and the cluster's (the node adopts them, `Switcher._adopt`)."""
+        out: list[SimRequest] = []
+        for n in self.nodes:
+            if n.phase == "decode" and n.waiting:
+                out.extend(n.take_waiting_from(prefill_node, self.now))
+        mine = [r for r in self.pending_decode if r.prefill_node == prefill_node]
+        if mine:
+            self.pending_decode = deque(
+                r for r in self.pending_decode if r.prefill_node != prefill_node
+            )
+            out.extend(mine)
+        return out
 
     def _retry_pending(self) -> None:
         for queue, route in (

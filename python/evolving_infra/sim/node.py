@@ -361,6 +361,15 @@ class Node:
         while self.waiting and self.state != "down" and self._admit_decode(self.waiting[0], now):
             self.env.start_transfer(self.waiting.popleft())
 
+    def take_waiting_from(self, prefill_node: int, now: float) -> list[SimRequest]:
+        """The waiting requests whose KV is on `prefill_node` (a prefill node switching to
+        decode in place: it will admit them itself), and admits what now fits."""
+        out = [r for r in self.waiting if r.prefill_node == prefill_node]
+        if out:
+            self.waiting = deque(r for r in self.waiting if r.prefill_node != prefill_node)
+            self.admit_waiting(now)
+        return out
+
     def take_waiting(self) -> list[SimRequest]:
         out = list(self.waiting)
         self.waiting.clear()

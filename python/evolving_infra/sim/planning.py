@@ -15,7 +15,7 @@ The planner hears `switch_done()` once every node of the switch is back.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from evolving_infra.planner.base import Planner, Split, SwitchMode
 from evolving_infra.planner.slices import NodeSample
@@ -51,6 +51,8 @@ class SwitchLog:
     requested: float
     drained: float = -1.0
     up: float = -1.0
+    adopted: list[int] = field(default_factory=list)  # ids of requests it prefilled and then
+    # decoded itself after the switch (`Switcher._adopt`)
 
 
 class Switcher:
@@ -65,6 +67,8 @@ class Switcher:
         reroute: Callable[[SimRequest], None],
         back: Callable[[], None],
         reroute_prefill: Callable[[SimRequest], None],
+        take_prefilled: Callable[[int], list[SimRequest]] | None = None,
+        start_transfer: Callable[[SimRequest], None] | None = None,
     ) -> None:
         self.nodes = nodes
         self.planner = planner
@@ -74,6 +78,11 @@ class Switcher:
         self._reroute = reroute  # a decode node's waiting requests, sent elsewhere
         self._reroute_prefill = reroute_prefill  # a prefill node's queued ones
         self._back = back  # a node is back: the cluster retries what waited for one
+        # in-place-keep, prefill -> decode: requests prefilled on the node and still waiting for
+        # a decode node (taken out of the queues they wait in), and how they start decoding.
+        self._take_prefilled = take_prefilled
+        self._start_transfer = start_transfer
+        self.adopted: dict[int, list[SimRequest]] = {}
         self.in_flight: dict[int, SwitchLog] = {}
         self.log: list[SwitchLog] = []
 
@@ -112,20 +121,49 @@ class Switcher:
 
     def check(self, node: Node, now: float) -> None:
         """Called whenever a draining node may have finished its work."""
-        if node.state != "draining" or not node.drained():
+        if node.state != "draining":
             return
         log = self.in_flight[node.id]
+        if not node.drained() and not self._adopt(node, log):
+            return
         log.drained = now
         node.state = "down"
         if self.mode != "in-place-keep":
             node.kv.clear()
         self._at(now + self.down_s, self._up, node)
 
+    def _adopt(self, node: Node, log: SwitchLog) -> bool:
+        """Whether a prefill node switching to decode in place may go down although it still
+        pins KV: when all it pins is the KV of requests it prefilled that wait for a decode
+        node, it takes them (it keeps their KV through the switch and admits them itself once
+        it decodes). Without this the drain waits until saturated decode nodes admit them,
+        which can take the whole of the shortage the switch is meant to relieve."""
+        if (
+            self.mode != "in-place-keep"
+            or log.to != "decode"
+            or self._take_prefilled is None
+            or node.busy
+            or node.queue
+            or node.running
+        ):
+            return False
+        adopted = self.adopted.setdefault(node.id, [])
+        adopted.extend(self._take_prefilled(node.id))
+        log.adopted = [r.id for r in adopted]
+        # Transfers from this node in flight still pin their KV until they land.
+        return node.kv.pinned == sum(r.pin_p for r in adopted)
+
     def _up(self, node: Node) -> None:
         log = self.in_flight.pop(node.id)
         node.phase = "prefill" if log.to == "prefill" else "decode"
         node.state = "active"
         log.up = node.env.now
+        for r in self.adopted.pop(node.id, []):
+            # Its prompt is in this node's L1: the decode admission finds it all (h_d) and
+            # the transfer moves nothing.
+            node.release(r, log.up, kick=False)
+            if node.offer(r, log.up) and self._start_transfer is not None:
+                self._start_transfer(r)
         if not self.in_flight:
             self.planner.switch_done()
         self._back()
