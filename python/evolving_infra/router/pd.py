@@ -339,8 +339,12 @@ class PdDispatcher:
                     self.slices.tokens(event.tokens)
                 yield event
                 event = await anext(stream, None)
-            # The decode side has the KV once it streams: the prefill answer only confirms it.
-            await prefill
+            # The decode side had the KV once it streamed: the prefill answer only confirms it,
+            # and the client has its whole answer, so a late prefill error is only logged.
+            try:
+                await prefill
+            except (_UnreachableError, EngineFailedError) as e:
+                log.warning("prefill_answer_failed", request=req.request_id, reason=str(e))
         finally:
             for task in (first, prefill):
                 if not task.done():
