@@ -8,9 +8,7 @@ kept, and bad input (malformed bodies, unknown branches, an engine that is down)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import io
 import json
 import time
 import urllib.error
@@ -21,31 +19,18 @@ from typing import Any
 
 import aiohttp
 import pytest
-from rich.console import Console
 
+from cluster_helpers import start_cluster
 from evolving_infra.cluster import command as cluster_command
 from evolving_infra.control import EngineClient
-from evolving_infra.engines.pool.master import free_ports
 
-TIME_SCALE = "20"
 PROMPT = "You are a coding agent. The repository has these files: " + "src/main.rs " * 12
-
-
-def _args(tmp: Path, engines: int, prefill: int) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    cluster_command.add_arguments(p)
-    port = free_ports(1)[0]
-    return p.parse_args(
-        ["up", "--engines", str(engines), "--prefill", str(prefill), "--no-pool",
-         "--no-planner", "--router-port", str(port), "--time-scale", TIME_SCALE,
-         "--log-dir", str(tmp)]
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster_command.Cluster]:
     tmp = tmp_path_factory.mktemp("cluster")
-    c = cluster_command.up(_args(tmp, 4, 2), Console(file=io.StringIO()))
+    c = start_cluster(tmp, engines=4, prefill=2)
     try:
         yield c
     finally:
@@ -203,7 +188,7 @@ def test_bad_input_gets_a_typed_error_and_the_router_keeps_serving(
 def test_with_every_decode_engine_down_requests_get_503_with_the_reason(
     tmp_path: Path,
 ) -> None:
-    c = cluster_command.up(_args(tmp_path, 2, 1), Console(file=io.StringIO()))
+    c = start_cluster(tmp_path, engines=2, prefill=1)
     try:
         status, _ = _chat(c.router_url, "warm up")
         assert status == 200

@@ -1,8 +1,8 @@
 """`evolving-infra replay`: prompt tokens, summary math, and closed-loop runs on a live cluster.
 
-The live tests start real processes on loopback (`live_helpers.LiveCluster`: two simulated
-engines, prefill and decode, and the router, exactly as `evolving-infra engine` and
-`evolving-infra router` run them) and replay traces through the real HTTP API.
+The live tests start real processes on loopback (`cluster_helpers.start_cluster`: two simulated
+engines, prefill and decode, and the router, as `evolving-infra cluster up` runs them) and replay
+traces through the real HTTP API.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from cluster_helpers import start_cluster
 from evolving_infra import block_hashes, logs
+from evolving_infra.cluster.command import Cluster
 from evolving_infra.replay import command
 from evolving_infra.replay.client import (
     HEADER_BRANCH,
@@ -48,7 +50,6 @@ from evolving_infra.workloads.model import (
 )
 from evolving_infra.workloads.stats import trace_stats
 from evolving_infra.workloads.timeline import trace_timeline
-from live_helpers import LiveCluster
 
 CLAUDE_CODE = Path(__file__).resolve().parent.parent / "data" / "traces" / "claude-code"
 
@@ -251,9 +252,12 @@ def test_failed_requests_count_with_their_reason_and_the_branches_go_on() -> Non
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
-    with LiveCluster(tmp_path_factory.mktemp("live")) as c:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path_factory.mktemp("live"), time_scale=50.0)
+    try:
         yield c
+    finally:
+        c.stop()
 
 
 def _get(url: str) -> bytes:
@@ -262,19 +266,19 @@ def _get(url: str) -> bytes:
         return data
 
 
-def _branch_events(cluster: LiveCluster) -> dict[str, float]:
+def _branch_events(cluster: Cluster) -> dict[str, float]:
     text = _get(f"{cluster.router_url}/metrics").decode()
     pattern = r'^evolving_branch_events_total\{event="(\w+)"\} (\S+)$'
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
 
 
-def _live_branches(cluster: LiveCluster) -> int:
+def _live_branches(cluster: Cluster) -> int:
     named: int = json.loads(_get(f"{cluster.router_url}/health"))["branches"]["named"]
     return named
 
 
 def test_replay_claude_code_traces_hits_kv_end_to_end(
-    cluster: LiveCluster, capsys: pytest.CaptureFixture[str]
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     logs.configure()  # as cli.main does: logs on stderr, stdout for the JSON
     parser = argparse.ArgumentParser()
@@ -299,7 +303,7 @@ def test_replay_claude_code_traces_hits_kv_end_to_end(
 
 
 def test_replay_sends_the_branch_events_of_forks_sub_agents_and_compactions(
-    cluster: LiveCluster,
+    cluster: Cluster,
 ) -> None:
     trace = _tree_trace()
     before = _branch_events(cluster)

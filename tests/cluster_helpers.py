@@ -1,0 +1,28 @@
+"""A live system for tests, started as users start it: `evolving-infra cluster up` (`up()`),
+real engine and router processes on loopback, logs in the test's temporary folder."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from evolving_infra.cluster import command as cluster_command
+from evolving_infra.engines.pool.master import free_ports
+
+
+def start_cluster(
+    log_dir: Path, *, engines: int = 2, prefill: int = 1, time_scale: float = 20.0
+) -> cluster_command.Cluster:
+    """`cluster up` without the pool and the planner (the tests that need them start their own);
+    the caller stops it (`Cluster.stop`)."""
+    parser = argparse.ArgumentParser()
+    cluster_command.add_arguments(parser)
+    args = parser.parse_args(
+        ["up", "--engines", str(engines), "--prefill", str(prefill), "--no-pool",
+         "--no-planner", "--router-port", str(free_ports(1)[0]),
+         "--time-scale", str(time_scale), "--log-dir", str(log_dir)]
+    )  # fmt: skip
+    return cluster_command.up(args, Console(file=io.StringIO()))
