@@ -164,9 +164,9 @@ def _wait_healthy(cluster: Cluster, url: str, what: str) -> dict[str, object]:
         cluster.check()
         health = _get_json(url)
         # The router says {"status": "ok"}; an engine {"state": "serving"} (SGLang: a bare 200).
-        if health is not None and "ok" in (health.get("status"), health.get("state")):
-            return health
-        if health is not None and health.get("state") == "serving":
+        if health is not None and (
+            health.get("status") == "ok" or health.get("state") == "serving"
+        ):
             return health
         time.sleep(0.2)
     raise ClusterError(f"{what} not healthy after {START_TIMEOUT_S:.0f} s ({url})")

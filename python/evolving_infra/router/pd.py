@@ -312,7 +312,7 @@ class PdDispatcher:
             self.on_dispatch(time.monotonic() - req.arrival)
         prefill = asyncio.create_task(self._prefill(p, {**body, "stream": False}))
         prefill.add_done_callback(prefill_done)
-        stream = self._decode(d, body, req)
+        stream = self._decode(d, body)
         first: asyncio.Future[GenerationEvent] = asyncio.ensure_future(anext(stream))
         try:
             # Until the decode side streams, a failed prefill must end the request: the decode
@@ -361,7 +361,7 @@ class PdDispatcher:
             await resp.read()
 
     async def _decode(
-        self, engine: EngineHandle, body: Mapping[str, Any], req: PreparedRequest
+        self, engine: EngineHandle, body: Mapping[str, Any]
     ) -> AsyncGenerator[GenerationEvent, None]:
         text, tokens = "", 0
         async with self._post(engine, body) as resp:
