@@ -34,6 +34,7 @@ from aiohttp import web
 from evolving_infra import logs
 from evolving_infra.router import api
 from evolving_infra.router.api import ApiError, ChatRequest, CompletionRequest, Usage
+from evolving_infra.router.auth import ApiKeys
 from evolving_infra.router.branches import BranchLease, BranchTracker, parse_branch_info
 from evolving_infra.router.branches import check_branch_id as _check_branch_id
 from evolving_infra.router.dispatcher import (
@@ -139,9 +140,11 @@ class FrontEnd:
         *,
         page_size: int,
         models: Sequence[str],
+        keys: ApiKeys | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dispatcher = dispatcher
+        self.keys = keys or ApiKeys()
         self.tracker = tracker
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -168,11 +171,13 @@ class FrontEnd:
         status = 500
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
+                self.keys.check(request)
                 response: web.StreamResponse = await handler(request)
                 status = call.status or response.status
             except ApiError as e:
                 status = e.status
-                response = self._fail(request, e)
+                challenge = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+                response = self._fail(request, e, challenge)
             except web.HTTPException as e:
                 error, headers = _from_http(e, request)
                 status = error.status
@@ -464,13 +469,16 @@ def build_app(
     models: Sequence[str] = (),
     max_body_bytes: int = 32 * 2**20,
     expire_interval: float | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> web.Application:
     """The router's aiohttp application (not started: see `serve`, or aiohttp's test utils).
 
     `expire_interval`: seconds between branch-expiry passes (default: a quarter of the TTL, at
     most a minute).
     """
-    front = FrontEnd(dispatcher, tracker, tokenizer, metrics, page_size=page_size, models=models)
+    front = FrontEnd(
+        dispatcher, tracker, tokenizer, metrics, page_size=page_size, models=models, keys=api_keys
+    )
     app = web.Application(middlewares=[front.middleware], client_max_size=max_body_bytes)
     app[_CLIENT_MAX] = max_body_bytes
     app.router.add_post("/v1/chat/completions", front.chat)

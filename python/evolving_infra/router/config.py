@@ -9,11 +9,12 @@ one engine, distinct addresses) and builds the frozen record the daemon runs fro
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from evolving_infra.argtypes import positive_int, positive_seconds
 from evolving_infra.logs import Level
+from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, key_from
 
 HELP = "run the router daemon: OpenAI-compatible front end, branch API, dispatch to engines"
 DESCRIPTION = """\
@@ -84,6 +85,7 @@ class RouterConfig:
     log_level: Level = "info"
     planner: bool = True  # False: keep the engines' phases (the "no planner" ablation)
     planner_interval: float = DEFAULT_PLANNER_INTERVAL
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -105,7 +107,16 @@ class RouterConfig:
             log_level=args.log_level,
             planner=not args.no_planner,
             planner_interval=args.planner_interval,
+            api_keys=ApiKeys(
+                data=key_from(args.api_key, API_KEY_ENV),
+                admin=key_from(args.admin_api_key, ADMIN_API_KEY_ENV),
+            ),
         )
+
+    @property
+    def exposed_without_key(self) -> bool:
+        """Listening beyond this machine with the API open: worth a warning at start."""
+        return self.host not in ("127.0.0.1", "::1", "localhost") and self.api_keys.data is None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +134,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--port", type=_port, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
+    )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (or X-API-Key) on /v1/*; prefer the"
+        f" environment variable {API_KEY_ENV}, which `ps` does not show (default: open)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        metavar="KEY",
+        help="a separate key for operators' endpoints (/metrics); also from"
+        f" {ADMIN_API_KEY_ENV} (default: open). /health is always open, for load balancers",
     )
     parser.add_argument(
         "--model",
