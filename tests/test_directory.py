@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from directory_helpers import (
     STATS_KEYS,
@@ -21,6 +22,7 @@ from directory_helpers import (
 )
 from evolving_infra import (
     KvDirectory,
+    KvDirectoryError,
     PrefixMatch,
 )
 
@@ -72,6 +74,24 @@ def test_stats_keys_and_types() -> None:
     assert stats["blocks"] == 20_000
     assert stats["memory_bytes"] > empty["memory_bytes"]
     assert all(type(v) is int for v in stats.values())
+
+
+def test_held_counts_each_nodes_blocks_per_tier() -> None:
+    d = KvDirectory()
+    d.store(0, "L1", [1, 2, 3], now=0.0)
+    d.store(0, "L2", [1, 2], now=0.0)
+    d.store(4, "L2", [1, 2, 3, 7], now=0.0)
+    assert (d.held(0, "L1"), d.held(0, "L2"), d.held(0)) == (3, 2, 5)
+    assert (d.held(4), d.held(9)) == (4, 0)
+    d.remove(0, "L1", [3])
+    assert d.held(0, "L1") == 2
+    assert d.evict(4, "L2", 2) == [7, 3]
+    assert d.held(4) == 2
+    d.clear(0)
+    assert d.held(0) == 0
+    assert sum(d.held(n) for n in (0, 4)) == d.stats()["locations"]
+    with pytest.raises(KvDirectoryError):
+        d.held(0, "L3")  # type: ignore[arg-type]
 
 
 def test_len_and_contains() -> None:

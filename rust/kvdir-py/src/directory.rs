@@ -211,6 +211,14 @@ impl KvDirectory {
         Ok(self.read(py, false, |d| d.refcount(h)))
     }
 
+    /// Blocks `node` holds in `tier` (both tiers, each holding counted, when `tier` is None).
+    #[pyo3(signature = (node, tier=None))]
+    fn held(&self, py: Python<'_>, node: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<u64> {
+        let node = convert::node(node)?;
+        let tier = tier_opt(py, tier)?;
+        Ok(self.read(py, false, |d| d.held(node, tier)))
+    }
+
     /// The current eviction candidates of `(node, tier)`, first to evict first.
     #[pyo3(signature = (node, tier, limit=None))]
     fn eviction_order(

@@ -111,6 +111,16 @@ impl Directory {
             .map_or(0, |i| self.blocks.get(i).refcount)
     }
 
+    /// Blocks `node` holds in `tier` (in both tiers, counted once per tier, when `None`).
+    #[must_use]
+    pub fn held(&self, node: NodeId, tier: Option<Tier>) -> u64 {
+        let at = |t: Tier| self.places.get(&Place::new(node, t)).map_or(0, |s| s.held);
+        match tier {
+            Some(t) => at(t),
+            None => at(Tier::L1) + at(Tier::L2),
+        }
+    }
+
     // ---- validation -------------------------------------------------------------------------
 
     /// The recorded parent of `hash`: `None` if unknown, `Some(None)` for a first page.
