@@ -23,6 +23,7 @@ from evolving_infra.router.config import RouterConfigError
 from evolving_infra.router.tokenize import TokenizerLoadError
 from evolving_infra.sim import command as sim_command
 from evolving_infra.sim import scenario_command
+from evolving_infra.soak import command as soak_command
 from evolving_infra.timing import TimingError
 from evolving_infra.timing import command as model_command
 from evolving_infra.workloads import TraceError, TraceFormatError
@@ -49,6 +50,7 @@ COMMANDS: tuple[Command, ...] = (
     router_command,
     cluster_command,
     replay_command,
+    soak_command,
 )
 
 

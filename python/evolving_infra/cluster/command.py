@@ -158,7 +158,7 @@ def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
         return None
 
 
-def _wait_healthy(cluster: Cluster, url: str, what: str) -> dict[str, object]:
+def wait_healthy(cluster: Cluster, url: str, what: str) -> dict[str, object]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         cluster.check()
@@ -201,7 +201,7 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
                  "--time-scale", str(args.time_scale), "--seed", str(i), *pool],
             )  # fmt: skip
         for i in range(n):
-            _wait_healthy(cluster, f"http://127.0.0.1:{http[i]}/health", f"engine {i}")
+            wait_healthy(cluster, f"http://127.0.0.1:{http[i]}/health", f"engine {i}")
         router = [*me, "router", "--engines", *(f"127.0.0.1:{g}" for g in grpc),
                   "--port", str(args.router_port), "--page-size", str(args.page_size),
                   "--planner-interval", str(args.planner_interval)]  # fmt: skip
@@ -209,7 +209,7 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
             router.append("--no-planner")
         cluster.spawn("router", router)
         cluster.router_url = f"http://127.0.0.1:{args.router_port}"
-        _wait_healthy(cluster, f"{cluster.router_url}/health", "the router")
+        wait_healthy(cluster, f"{cluster.router_url}/health", "the router")
     except BaseException:
         cluster.stop()
         raise

@@ -162,6 +162,7 @@ def info_to_pb(i: EngineInfo) -> pb.EngineInfo:
         kv_replay_endpoint=i.kv_replay_endpoint,
         samples_endpoint=i.samples_endpoint,
         version=i.version,
+        bootstrap_port=i.bootstrap_port,
     )
 
 
@@ -181,6 +182,7 @@ def info_from_pb(m: pb.EngineInfo) -> EngineInfo:
         kv_replay_endpoint=m.kv_replay_endpoint,
         samples_endpoint=m.samples_endpoint,
         version=m.version,
+        bootstrap_port=m.bootstrap_port,
     )
 
 

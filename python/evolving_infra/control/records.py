@@ -67,6 +67,9 @@ class EngineInfo:
     kv_replay_endpoint: str = ""
     samples_endpoint: str = ""
     version: str = ""
+    # Where a decode engine fetches this node's KV (SGLang's --disaggregation-bootstrap-port);
+    # 0: the port of `http_url` (the simulated engine serves the hand-off on its HTTP port).
+    bootstrap_port: int = 0
 
 
 @dataclass(frozen=True, slots=True)

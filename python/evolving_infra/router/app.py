@@ -500,11 +500,16 @@ def build_app(
     return app
 
 
-async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Start `app` on host:port; the caller awaits forever, then `runner.cleanup()`."""
+async def serve(
+    app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0
+) -> web.AppRunner:
+    """Start `app` on host:port; the caller awaits forever, then `runner.cleanup()`, which
+    gives requests in flight `shutdown_timeout` seconds before cutting them."""
     # handler_cancellation: a client that goes away cancels its handler, so dispatch stops at
     # once instead of at the next write. access_log=None: the middleware logs each request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
+    )
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("router listening", host=host, port=port)

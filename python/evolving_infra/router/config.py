@@ -32,7 +32,10 @@ DEFAULT_PORT = 8000
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_BODY_MIB = 32  # an agent's whole context in JSON: 200k tokens are ~1 MiB of text
 DEFAULT_BRANCH_TTL = 3600.0
-DEFAULT_PLANNER_INTERVAL = 60.0  # DESIGN §3: decisions every minute over a 10-minute window
+DEFAULT_PLANNER_INTERVAL = 60.0
+# A stopping router lets requests in flight finish this long: a restart should not wait out
+# minutes-long generations (their clients see an error and retry).
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # DESIGN §3: decisions every minute over a 10-minute window
 LOG_LEVELS: tuple[Level, ...] = ("debug", "info", "warning", "error")
 
 
@@ -86,6 +89,7 @@ class RouterConfig:
     planner: bool = True  # False: keep the engines' phases (the "no planner" ablation)
     planner_interval: float = DEFAULT_PLANNER_INTERVAL
     api_keys: ApiKeys = field(default_factory=ApiKeys)
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -107,6 +111,7 @@ class RouterConfig:
             log_level=args.log_level,
             planner=not args.no_planner,
             planner_interval=args.planner_interval,
+            shutdown_timeout=args.shutdown_timeout,
             api_keys=ApiKeys(
                 data=key_from(args.api_key, API_KEY_ENV),
                 admin=key_from(args.admin_api_key, ADMIN_API_KEY_ENV),
@@ -188,6 +193,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-planner",
         action="store_true",
         help="never switch engine phases (the split stays as the engines started)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=positive_seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="on SIGINT/SIGTERM, seconds requests in flight get to finish before they are cut"
+        f" (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     parser.add_argument(
         "--planner-interval",

@@ -36,7 +36,7 @@ from evolving_infra.router.app import build_app, serve
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
 from evolving_infra.router.ingest import EventIngestor, SampleIngestor
-from evolving_infra.router.metrics import RouterMetrics
+from evolving_infra.router.metrics import EngineView, RouterMetrics
 from evolving_infra.router.pd import EngineHandle, PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.tokenize import load_tokenizer
@@ -67,8 +67,10 @@ class _Engine:
 
 
 def handle_of(info: EngineInfo) -> EngineHandle:
-    """The dispatcher's view of an engine. Its PD bootstrap address is its data address: the
-    simulated engine serves the KV hand-off on its HTTP port."""
+    """The dispatcher's view of an engine. Its PD bootstrap address is the host of its data
+    address and the engine's `bootstrap_port`: SGLang serves the KV hand-off on its own listener
+    (`--disaggregation-bootstrap-port`); 0 means the HTTP port, where the simulated engine
+    serves it."""
     url = urlsplit(info.http_url)
     if not url.hostname or url.port is None:
         raise RouterStartError(
@@ -79,34 +81,51 @@ def handle_of(info: EngineInfo) -> EngineHandle:
         http_url=info.http_url.rstrip("/"),
         phase=info.phase,
         bootstrap_host=url.hostname,
-        bootstrap_port=url.port,
+        bootstrap_port=info.bootstrap_port or url.port,
         kv_capacity_blocks=info.l1_capacity_blocks,
     )
 
 
-async def discover(addresses: Sequence[str], page_size: int) -> list[_Engine]:
-    """`GetInfo` from every engine; all must answer, agree on the page size and have distinct
-    node ids."""
+async def discover(
+    addresses: Sequence[str], page_size: int
+) -> tuple[list[_Engine], dict[str, EngineClient]]:
+    """`GetInfo` from every engine: the engines that answered, and the clients of those that did
+    not (the health loop keeps asking them). Engines that answer must agree on the page size and
+    have distinct node ids; at least one must answer (it names the model)."""
     clients = [EngineClient(a, timeout=DISCOVERY_TIMEOUT_S) for a in addresses]
     results = await asyncio.gather(*(c.get_info() for c in clients), return_exceptions=True)
-    engines, problems = [], []
+    engines, problems, unreachable = [], [], []
+    pending: dict[str, EngineClient] = {}
     for address, client, info in zip(addresses, clients, results, strict=True):
-        if isinstance(info, BaseException):
+        if isinstance(info, EngineControlError):
+            unreachable.append(f"{address}: {info}")
+            pending[address] = client
+        elif isinstance(info, BaseException):
             problems.append(f"{address}: {info}")
-        elif info.page_size != page_size:
-            problems.append(
-                f"{address}: page size {info.page_size}, the router's --page-size is {page_size}"
-                " (block hashes would not match the engine's KV events)"
-            )
+        elif problem := _mismatch(info, page_size):
+            problems.append(f"{address}: {problem}")
         else:
             engines.append(_Engine(address, client, info))
     nodes = [e.info.node_id for e in engines]
     if len(set(nodes)) != len(nodes):
         problems.append(f"node ids must be distinct, got {sorted(nodes)}")
+    if not engines and not problems:
+        problems = unreachable
     if problems:
         await asyncio.gather(*(c.close() for c in clients))
         raise RouterStartError("engines: " + "; ".join(problems))
-    return engines
+    for reason in unreachable:
+        log.warning("engine_unreachable_at_start", reason=reason, retry_every_s=HEALTH_INTERVAL_S)
+    return engines, pending
+
+
+def _mismatch(info: EngineInfo, page_size: int) -> str | None:
+    if info.page_size != page_size:
+        return (
+            f"page size {info.page_size}, the router's --page-size is {page_size}"
+            " (block hashes would not match the engine's KV events)"
+        )
+    return None
 
 
 class RouterDaemon:
@@ -128,10 +147,15 @@ class RouterDaemon:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        # Engines that did not answer at start: asked again by the health loop until they do.
+        self._pending: dict[str, EngineClient] = {}
+        # Engines whose control service stopped answering: their holdings were dropped from the
+        # directory, and are re-learned (a replay from seq 0) when they answer again.
+        self._lost: set[int] = set()
 
     async def start(self) -> None:
         cfg = self.config
-        found = await discover([e.address for e in cfg.engines], cfg.page_size)
+        found, self._pending = await discover([e.address for e in cfg.engines], cfg.page_size)
         self.engines = {e.info.node_id: e for e in found}
         spec = MODELS.get(found[0].info.model, LLAMA3_70B)
         loop = asyncio.get_running_loop()
@@ -143,13 +167,7 @@ class RouterDaemon:
         self.events = EventIngestor(self.directory)
         self.samples = SampleIngestor(on_sample)
         for e in found:
-            i = e.info
-            if i.kv_events_endpoint:
-                self.events.add_engine(
-                    i.node_id, i.kv_events_endpoint, i.kv_replay_endpoint or None
-                )
-            if i.samples_endpoint:
-                self.samples.add_engine(i.node_id, i.samples_endpoint)
+            self._subscribe(e.info)
         router = EvolvingRouter(
             self.model, block_size=cfg.page_size, kv_bytes_per_token=spec.kv_bytes_per_token
         )
@@ -168,8 +186,10 @@ class RouterDaemon:
             self.model,
             interval=cfg.planner_interval,
             enabled=cfg.planner,
+            nodes=len(cfg.engines),
         )
         self.dispatcher.slices = self.planner.slices
+        self.metrics.watch_engines(self.engine_views)
         self.dispatcher.on_dispatch = self.metrics.overhead.observe
         app = build_app(
             self.dispatcher,
@@ -179,8 +199,15 @@ class RouterDaemon:
             page_size=cfg.page_size,
             models=cfg.models,
             max_body_bytes=cfg.max_body_bytes,
+            api_keys=cfg.api_keys,
         )
-        self.runner = await serve(app, cfg.host, cfg.port)
+        if cfg.exposed_without_key:
+            log.warning(
+                "listening beyond loopback with no API key: anyone who reaches the port can"
+                " use the engines (set --api-key or EVOLVING_INFRA_API_KEY)",
+                host=cfg.host,
+            )
+        self.runner = await serve(app, cfg.host, cfg.port, cfg.shutdown_timeout)
         addresses = self.runner.addresses
         self.port = int(addresses[0][1]) if addresses else cfg.port
         self._tasks = [
@@ -204,8 +231,45 @@ class RouterDaemon:
     async def _health_loop(self) -> None:
         assert self.dispatcher is not None
         while True:
-            await asyncio.gather(*(self._check(n, e) for n, e in self.engines.items()))
+            checks = [self._check(n, e) for n, e in self.engines.items()]
+            joins = [self._join(a, c) for a, c in self._pending.items()]
+            await asyncio.gather(*checks, *joins)
             await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    def _subscribe(self, info: EngineInfo) -> None:
+        """Follows an engine's KV events (a replay from seq 0 first) and samples."""
+        assert self.events is not None
+        assert self.samples is not None
+        if info.kv_events_endpoint:
+            self.events.add_engine(
+                info.node_id, info.kv_events_endpoint, info.kv_replay_endpoint or None
+            )
+        if info.samples_endpoint:
+            self.samples.add_engine(info.node_id, info.samples_endpoint)
+
+    async def _join(self, address: str, client: EngineClient) -> None:
+        """An engine that was unreachable at start answers: it joins the cluster."""
+        d, planner = self.dispatcher, self.planner
+        assert d is not None
+        assert planner is not None
+        try:
+            info = await client.get_info(timeout=HEALTH_INTERVAL_S)
+        except EngineControlError:
+            return
+        if address not in self._pending:
+            return  # joined by a concurrent pass
+        if problem := _mismatch(info, self.config.page_size):
+            log.error("engine_refused", address=address, reason=problem)
+            return
+        if info.node_id in self.engines:
+            log.error("engine_refused", address=address, reason=f"node id {info.node_id} taken")
+            return
+        del self._pending[address]
+        self.engines[info.node_id] = _Engine(address, client, info)
+        d.add_engine(handle_of(info))
+        planner.clients[info.node_id] = client
+        self._subscribe(info)
+        log.info("engine_joined", node=info.node_id, address=address, phase=info.phase)
 
     async def _check(self, node: int, engine: _Engine) -> None:
         d = self.dispatcher
@@ -216,6 +280,9 @@ class RouterDaemon:
             h = await engine.client.health(timeout=HEALTH_INTERVAL_S)
         except EngineControlError as e:
             d.set_state(node, "down", str(e))
+            self._lose(node)
+            return
+        if node in self._lost and not await self._rejoin(node, engine):
             return
         d.set_phase(node, h.phase)
         d.set_state(
@@ -223,6 +290,35 @@ class RouterDaemon:
             "up" if h.state == "serving" else "draining" if h.state != "down" else "down",
             h.reason,
         )
+
+    def _lose(self, node: int) -> None:
+        """An engine's control service stopped answering (crashed, or its machine is gone):
+        what the directory says it holds is no longer known, so routing must not count on it."""
+        if node in self._lost or self.events is None:
+            return
+        self._lost.add(node)
+        self.events.remove_engine(node)
+        self.directory.clear(node)
+        log.warning("engine_lost", node=node, detail="holdings dropped from the directory")
+
+    async def _rejoin(self, node: int, engine: _Engine) -> bool:
+        """A lost engine answers again (restarted, perhaps on other ports): take its current
+        `GetInfo` and re-learn its cache from a replay of its events."""
+        d = self.dispatcher
+        assert d is not None
+        try:
+            info = await engine.client.get_info(timeout=HEALTH_INTERVAL_S)
+        except EngineControlError:
+            return False
+        if info.node_id != node or _mismatch(info, self.config.page_size):
+            d.set_state(node, "down", f"came back as node {info.node_id}, page {info.page_size}")
+            return False
+        engine.info = info
+        d.add_engine(handle_of(info))
+        self._subscribe(info)
+        self._lost.discard(node)
+        log.info("engine_back", node=node, phase=info.phase)
+        return True
 
     async def _hints_loop(self) -> None:
         """Every engine learns which chains live branches still need (DESIGN §2's `R_b > 0`
@@ -237,6 +333,22 @@ class RouterDaemon:
             await engine.client.set_eviction_hints(hints, replace=True, timeout=HINTS_INTERVAL_S)
         except EngineControlError as e:
             log.debug("hints_failed", node=node, reason=str(e))
+
+    def engine_views(self) -> list[EngineView]:
+        """Each engine's state and the directory's count of its blocks, for `/metrics`."""
+        d = self.dispatcher
+        if d is None:
+            return []
+        return [
+            EngineView(
+                node=n,
+                state=e.state,
+                phase=e.phase,
+                l1_blocks=self.directory.held(n, "L1"),
+                l2_blocks=self.directory.held(n, "L2"),
+            )
+            for n, e in sorted(d.engines.items())
+        ]
 
     def status(self) -> dict[str, Any]:
         """Counters for logs and tests: ingestion, planner, engines."""

@@ -9,6 +9,7 @@ the number of series stays bounded whatever clients send.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -40,6 +41,52 @@ class _BranchCollector(Collector):
         g.add_metric(["named"], named)
         g.add_metric(["anonymous"], anonymous)
         yield g
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine as `/metrics` shows it: its state, phase and the blocks the directory says it
+    holds per tier."""
+
+    node: int
+    state: str  # up | draining | down
+    phase: str  # prefill | decode
+    l1_blocks: int
+    l2_blocks: int
+
+
+ENGINE_STATES = ("up", "draining", "down")
+
+
+class _EngineCollector(Collector):
+    """`evolving_engine_state{node,state}` (1 for the current state) and
+    `evolving_directory_blocks{node,tier}`, read at scrape time. One series per engine and
+    value: bounded by the engines configured."""
+
+    def __init__(self, read: Callable[[], list[EngineView]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        views = self._read()
+        state = GaugeMetricFamily(
+            "evolving_engine_state",
+            "1 for the state each engine is in (up, draining, down), as the router sees it",
+            labels=["node", "state", "phase"],
+        )
+        blocks = GaugeMetricFamily(
+            "evolving_directory_blocks",
+            "KV blocks the cluster directory says each engine holds, per tier (from its KV"
+            " events; 0 once the engine is lost, until it answers again)",
+            labels=["node", "tier"],
+        )
+        for v in views:
+            node = str(v.node)
+            for s in ENGINE_STATES:
+                state.add_metric([node, s, v.phase], 1.0 if v.state == s else 0.0)
+            blocks.add_metric([node, "L1"], v.l1_blocks)
+            blocks.add_metric([node, "L2"], v.l2_blocks)
+        yield state
+        yield blocks
 
 
 class RouterMetrics:
@@ -105,6 +152,10 @@ class RouterMetrics:
     def watch_branches(self, read: Callable[[], tuple[int, int]]) -> None:
         """Report `read()` = (named, anonymous) live branches as `evolving_branches_live`."""
         self.registry.register(_BranchCollector(read))
+
+    def watch_engines(self, read: Callable[[], list[EngineView]]) -> None:
+        """Report `read()`'s engines as `evolving_engine_state` and `evolving_directory_blocks`."""
+        self.registry.register(_EngineCollector(read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

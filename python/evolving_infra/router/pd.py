@@ -13,9 +13,10 @@ do), so choosing a node needs no round trip: a request adds its predicted prefil
 prefill node until the prefill engine answers, and its KV blocks to its decode node until the
 stream ends.
 
-Failures: an engine that cannot be reached is marked down and the request is tried once more on
-other nodes, as long as no token has reached the client; after that, or on an engine error
-answer, the request fails with `EngineFailedError` (an SSE error event when streaming).
+Failures: an engine that cannot be reached, or whose stream breaks before its first token (a
+crashed engine), is marked down and the request is tried once more on other nodes, as long as
+no token has reached the client; after that, or on an engine error answer, the request fails
+with `EngineFailedError` (an SSE error event when streaming).
 """
 
 from __future__ import annotations
@@ -188,6 +189,10 @@ class PdDispatcher:
         self._rng = random.Random(seed)
 
     # -- engine states (the daemon's discovery and health loops call these) ---------------------
+
+    def add_engine(self, engine: EngineHandle) -> None:
+        """An engine that joined after start, or came back (perhaps on other ports)."""
+        self.engines[engine.node] = engine
 
     def set_state(self, node: int, state: EngineState, reason: str = "") -> None:
         e = self.engines[node]
@@ -391,6 +396,10 @@ class PdDispatcher:
                         )
                         return
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
+                if not tokens and not text:
+                    # Nothing reached the client yet (an engine that crashed, typically): the
+                    # request can start over on another node.
+                    raise _UnreachableError(engine, f"broke the stream: {e}") from None
                 raise EngineFailedError(
                     f"engine {engine.node} broke the stream: {e}", node=engine.node
                 ) from None

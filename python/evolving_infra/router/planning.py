@@ -60,7 +60,10 @@ class LivePlanner:
         window_s: float = 600.0,
         sample_interval: float = SAMPLE_INTERVAL_S,
         enabled: bool = True,
+        nodes: int | None = None,
     ) -> None:
+        """`nodes`: engines the cluster has (default: one per client), including any that
+        have not answered yet and join later (the daemon adds their clients to `clients`)."""
         self.dispatcher = dispatcher
         self.clients = dict(clients)
         self.model = model
@@ -68,7 +71,9 @@ class LivePlanner:
         self.sample_interval = min(sample_interval, interval)
         self.enabled = enabled
         self.slices = Slices(window_s)
-        self.planner = EvolvingPlanner(len(self.clients), interval=interval, window_s=window_s)
+        self.planner = EvolvingPlanner(
+            nodes or len(self.clients), interval=interval, window_s=window_s
+        )
         self.switches: list[SwitchRecord] = []
         self._switching: set[int] = set()
 

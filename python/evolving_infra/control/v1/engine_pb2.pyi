@@ -177,6 +177,7 @@ class EngineInfo(_message.Message):
     KV_REPLAY_ENDPOINT_FIELD_NUMBER: _builtins.int
     SAMPLES_ENDPOINT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    BOOTSTRAP_PORT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     """this node's id in the cluster (>= 0)"""
     model: _builtins.str
@@ -205,6 +206,11 @@ class EngineInfo(_message.Message):
     """ZMQ PUB of forward-pass metrics (one msgpack map a pass)"""
     version: _builtins.str
     """engine software version, e.g. "sglang 0.5.23" or "evolving-infra 0.1.0" """
+    bootstrap_port: _builtins.int
+    """PD bootstrap port: where a decode engine reaches this node's KV when it is the prefill side
+    (the `bootstrap_port` of SGLang's /generate body). SGLang serves it on its own listener,
+    `--disaggregation-bootstrap-port`; 0 = the HTTP port of `http_url`, as the simulated engine.
+    """
     def __init__(
         self,
         *,
@@ -222,10 +228,11 @@ class EngineInfo(_message.Message):
         kv_replay_endpoint: _builtins.str = ...,
         samples_endpoint: _builtins.str = ...,
         version: _builtins.str = ...,
+        bootstrap_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "http_url", b"http_url", "kv_events_endpoint", b"kv_events_endpoint", "kv_replay_endpoint", b"kv_replay_endpoint", "l1_capacity_blocks", b"l1_capacity_blocks", "l1_used_blocks", b"l1_used_blocks", "l2_capacity_blocks", b"l2_capacity_blocks", "l2_used_blocks", b"l2_used_blocks", "model", b"model", "node_id", b"node_id", "page_size", b"page_size", "phase", b"phase", "samples_endpoint", b"samples_endpoint", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "bootstrap_port", b"bootstrap_port", "http_url", b"http_url", "kv_events_endpoint", b"kv_events_endpoint", "kv_replay_endpoint", b"kv_replay_endpoint", "l1_capacity_blocks", b"l1_capacity_blocks", "l1_used_blocks", b"l1_used_blocks", "l2_capacity_blocks", b"l2_capacity_blocks", "l2_used_blocks", b"l2_used_blocks", "model", b"model", "node_id", b"node_id", "page_size", b"page_size", "phase", b"phase", "samples_endpoint", b"samples_endpoint", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

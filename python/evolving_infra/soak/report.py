@@ -1,0 +1,88 @@
+"""The soak report: the replay's summary, the faults, router overhead and memory per process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from evolving_infra.replay.summary import Summary
+
+
+@dataclass(slots=True)
+class SoakReport:
+    summary: Summary
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    overhead_p50_s: float | None = None
+    overhead_p99_s: float | None = None
+    overhead_count: int = 0  # requests the router measured, over all its lifetimes
+    memory: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Something completed and nothing was lost (a failure with an error is not a loss)."""
+        return self.summary.completed > 0 and self.summary.lost == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.summary
+        return {
+            "ok": self.ok,
+            "completed": s.completed,
+            "failed": s.failed,
+            "lost": s.lost,
+            "issued": s.issued,
+            "unissued": s.unissued,
+            "errors": s.errors,
+            "requests_per_s": s.requests_per_s,
+            "output_tokens_per_s": s.output_tokens_per_s,
+            "hit_rate": s.hit_rate,
+            "ideal_hit_rate": s.ideal_hit_rate,
+            "p99_ttft_s": s.p99_ttft_s,
+            "router_overhead_p50_s": self.overhead_p50_s,
+            "router_overhead_p99_s": self.overhead_p99_s,
+            "router_overhead_count": self.overhead_count,
+            "faults": self.faults,
+            "memory": self.memory,
+            "replay": s.to_dict(),
+        }
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f} ms"
+
+
+def render(report: SoakReport, console: Console) -> None:
+    s = report.summary
+    head = Table(title="soak: requests")
+    for col in ("completed", "failed", "lost", "unissued", "req/s", "overhead P50", "P99"):
+        head.add_column(col, justify="right")
+    head.add_row(
+        str(s.completed),
+        str(s.failed),
+        str(s.lost),
+        str(s.unissued),
+        f"{s.requests_per_s:.2f}",
+        _ms(report.overhead_p50_s),
+        _ms(report.overhead_p99_s),
+    )
+    console.print(head)
+    if s.errors:
+        console.print("errors: " + ", ".join(f"{k} x{v}" for k, v in s.errors.items()))
+    for f in report.faults:
+        console.print("fault: " + ", ".join(f"{k}={v}" for k, v in f.items()))
+    mem = Table(title="soak: resident memory (MiB)")
+    cols = ("process", "start", "warm", "end", "peak", "growth after warm-up")
+    for i, col in enumerate(cols):
+        mem.add_column(col, justify="left" if i == 0 else "right")
+    for m in report.memory:
+        growth = m.get("growth_after_warmup_pct")
+        mem.add_row(
+            str(m["name"]),
+            *(str(m.get(k, "-")) for k in ("start_mib", "warm_mib", "end_mib", "peak_mib")),
+            "-" if growth is None else f"{growth:+.1f}%",
+        )
+    console.print(mem)
+    verdict = "OK: nothing lost" if report.ok else "FAILED: requests lost or none completed"
+    console.print(verdict, style="green" if report.ok else "red")
