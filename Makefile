@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 NATIVE := $(VENV)/.native
 
 .DEFAULT_GOAL := help
-.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo clean
+.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -65,6 +65,12 @@ fmt: $(STAMP) ## format Rust and Python
 	cargo fmt --all
 	$(VENV)/bin/ruff format python tests benches
 	$(VENV)/bin/ruff check --fix python tests benches
+
+soak: build ## 200 agents for 10 min on a loopback cluster, an engine killed, the router restarted (not in `make test`)
+	mkdir -p out
+	$(VENV)/bin/evolving-infra soak --agents 200 --duration 600 --kill-engine-at 200 \
+		--restart-router-at 400 --log-dir out/soak-logs --json > out/soak.json
+	$(PY) -m json.tool out/soak.json
 
 bench: bench-rust bench-py bench-dynamo ## all benchmarks (figures printed; nothing asserted on time)
 
