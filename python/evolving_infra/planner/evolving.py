@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from scipy import stats
 
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
 from evolving_infra.planner.common import (
@@ -165,4 +164,8 @@ def _one_sided_p(gains: npt.NDArray[np.float64]) -> float:
     if sd == 0.0 or not math.isfinite(sd):
         return 0.0 if mean > 0 else 1.0  # every slice agrees exactly
     t = mean / (sd / math.sqrt(len(gains)))
+    # Imported here: scipy.stats takes ~1 s to import, which a router restart should not wait
+    # for (the router imports it in the background once it serves, see router/daemon.py).
+    from scipy import stats
+
     return float(stats.t.sf(t, len(gains) - 1))

@@ -119,6 +119,11 @@ async def discover(
     return engines, pending
 
 
+def _import_scipy() -> None:
+    import scipy.optimize
+    import scipy.stats  # noqa: F401
+
+
 def _mismatch(info: EngineInfo, page_size: int) -> str | None:
     if info.page_size != page_size:
         return (
@@ -210,6 +215,9 @@ class RouterDaemon:
         self.runner = await serve(app, cfg.host, cfg.port, cfg.shutdown_timeout)
         addresses = self.runner.addresses
         self.port = int(addresses[0][1]) if addresses else cfg.port
+        # The fit and the planner's test import scipy on first use (~2 s): do it now, off the
+        # event loop, rather than in the middle of a request's first sample.
+        asyncio.get_running_loop().run_in_executor(None, _import_scipy)
         self._tasks = [
             asyncio.create_task(self._health_loop(), name="health"),
             asyncio.create_task(self.planner.run(), name="planner"),

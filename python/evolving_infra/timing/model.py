@@ -34,7 +34,6 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
-from scipy.optimize import nnls
 
 from evolving_infra.timing.samples import BadSampleError, PrefillBatch, Sample, TimingError
 from evolving_infra.timing.specs import Deployment
@@ -224,6 +223,9 @@ def _nnls(normal: _Normal, idx: list[int], knee: float, ref: _Fit) -> tuple[floa
     b = h[idx] / nrm
     try:
         chol = np.linalg.cholesky(g)
+        # Imported here: scipy.optimize takes ~1 s to import (see planner/evolving.py).
+        from scipy.optimize import nnls
+
         gamma, _ = nnls(chol.T, np.linalg.solve(chol, b))
     except (np.linalg.LinAlgError, RuntimeError):
         return None  # not positive definite, or NNLS hit its iteration limit
