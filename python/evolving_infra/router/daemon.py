@@ -32,6 +32,7 @@ from aiohttp import web
 
 from evolving_infra._core import KvDirectory
 from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
+from evolving_infra.control.errors import EngineTimeoutError
 from evolving_infra.router.app import build_app, serve
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
@@ -48,10 +49,14 @@ from evolving_infra.timing.specs import LLAMA3_70B, MODELS
 log = structlog.get_logger("evolving_infra.router.daemon")
 
 HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 2.0  # an engine's Health answer; a loaded engine can take over a second
 # Eviction hints are refreshed this often: a branch's context changes once per agent turn
 # (seconds to minutes), and an engine evicts by them only under memory pressure.
 HINTS_INTERVAL_S = 2.0
 DISCOVERY_TIMEOUT_S = 10.0
+# Health checks failed in a row before an engine counts as lost (its holdings dropped, its
+# requests pulled back): one missed check under load is not a crash.
+LOST_AFTER_FAILURES = 3
 
 
 class RouterStartError(RuntimeError):
@@ -64,6 +69,7 @@ class _Engine:
     address: str
     client: EngineClient
     info: EngineInfo
+    failures: int = 0  # health checks failed in a row
 
 
 def handle_of(info: EngineInfo) -> EngineHandle:
@@ -261,7 +267,7 @@ class RouterDaemon:
         assert d is not None
         assert planner is not None
         try:
-            info = await client.get_info(timeout=HEALTH_INTERVAL_S)
+            info = await client.get_info(timeout=HEALTH_TIMEOUT_S)
         except EngineControlError:
             return
         if address not in self._pending:
@@ -285,11 +291,18 @@ class RouterDaemon:
         if self.planner is not None and self.planner.switching(node):
             return  # the planner owns a switching node's state until its switch returns
         try:
-            h = await engine.client.health(timeout=HEALTH_INTERVAL_S)
+            h = await engine.client.health(timeout=HEALTH_TIMEOUT_S)
         except EngineControlError as e:
-            d.set_state(node, "down", str(e))
-            self._lose(node)
+            engine.failures += 1
+            # Refused: the engine is gone, stop routing to it now. A late answer: it may only
+            # be busy (its event loop behind a long batch), so only a run of them counts.
+            slow = isinstance(e, EngineTimeoutError)
+            if not slow or engine.failures >= LOST_AFTER_FAILURES:
+                d.set_state(node, "down", str(e))
+            if engine.failures >= LOST_AFTER_FAILURES:
+                self._lose(node, str(e))
             return
+        engine.failures = 0
         if node in self._lost and not await self._rejoin(node, engine):
             return
         d.set_phase(node, h.phase)
@@ -299,14 +312,16 @@ class RouterDaemon:
             h.reason,
         )
 
-    def _lose(self, node: int) -> None:
-        """An engine's control service stopped answering (crashed, or its machine is gone):
-        what the directory says it holds is no longer known, so routing must not count on it."""
-        if node in self._lost or self.events is None:
+    def _lose(self, node: int, reason: str) -> None:
+        """An engine's control service stopped answering (crashed, hung, or its machine is
+        gone): what the directory says it holds is no longer known, so routing must not count
+        on it, and its requests in flight are pulled back rather than left to their timeouts."""
+        if node in self._lost or self.events is None or self.dispatcher is None:
             return
         self._lost.add(node)
         self.events.remove_engine(node)
         self.directory.clear(node)
+        self.dispatcher.abort_engine(node, reason)
         log.warning("engine_lost", node=node, detail="holdings dropped from the directory")
 
     async def _rejoin(self, node: int, engine: _Engine) -> bool:
@@ -315,7 +330,7 @@ class RouterDaemon:
         d = self.dispatcher
         assert d is not None
         try:
-            info = await engine.client.get_info(timeout=HEALTH_INTERVAL_S)
+            info = await engine.client.get_info(timeout=HEALTH_TIMEOUT_S)
         except EngineControlError:
             return False
         if info.node_id != node or _mismatch(info, self.config.page_size):

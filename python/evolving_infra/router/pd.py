@@ -187,12 +187,29 @@ class PdDispatcher:
         # Told each request's router overhead (arrival to leaving for the engines), in seconds.
         self.on_dispatch: Callable[[float], None] | None = None
         self._rng = random.Random(seed)
+        # Requests in flight per engine (their tasks), so that an engine found dead can have
+        # its requests pulled back at once instead of at their timeouts.
+        self._inflight: dict[int, set[asyncio.Task[Any]]] = {}
+        self._aborted: dict[asyncio.Task[Any], tuple[int, str]] = {}
 
     # -- engine states (the daemon's discovery and health loops call these) ---------------------
 
     def add_engine(self, engine: EngineHandle) -> None:
         """An engine that joined after start, or came back (perhaps on other ports)."""
         self.engines[engine.node] = engine
+
+    def abort_engine(self, node: int, reason: str) -> int:
+        """Pulls back every request in flight on `node` (an engine that stopped answering):
+        those that sent the client nothing are retried elsewhere, the others end with an error.
+        Returns how many were in flight."""
+        tasks = self._inflight.get(node, set())
+        for task in tasks:
+            if task not in self._aborted and not task.done():
+                self._aborted[task] = (node, reason)
+                task.cancel()
+        if tasks:
+            log.warning("engine_requests_aborted", node=node, requests=len(tasks), reason=reason)
+        return len(tasks)
 
     def set_state(self, node: int, state: EngineState, reason: str = "") -> None:
         e = self.engines[node]
@@ -283,6 +300,18 @@ class PdDispatcher:
                     streamed = True
                     yield event
                 return
+            except asyncio.CancelledError:
+                aborted = self._take_abort()
+                if aborted is None:
+                    raise  # the client went away, or the router stops
+                node, reason = aborted
+                e = _UnreachableError(self.engines[node], reason)
+                if streamed or attempt == 1:
+                    raise EngineFailedError(
+                        f"engine {node} stopped answering: {reason}", node=node, unavailable=True
+                    ) from None
+                excluded.add(node)
+                log.warning("retry", request=request.request_id, down=node)
             except _UnreachableError as e:
                 self.set_state(e.engine.node, "down", e.reason)
                 if streamed or attempt == 1:
@@ -294,12 +323,25 @@ class PdDispatcher:
                 excluded.add(e.engine.node)
                 log.warning("retry", request=request.request_id, down=e.engine.node)
 
+    def _take_abort(self) -> tuple[int, str] | None:
+        """The abort (node, reason) behind the current task's cancellation, consumed, or None
+        when the cancellation came from elsewhere."""
+        task = asyncio.current_task()
+        aborted = self._aborted.pop(task, None) if task is not None else None
+        if aborted is not None and task is not None:
+            task.uncancel()
+        return aborted
+
     async def _run(
         self, req: PreparedRequest, place: _Placement, attempt: int
     ) -> AsyncIterator[GenerationEvent]:
         room = self._rng.randint(0, ROOM_MAX)
         body = self._body(req, place, room, attempt)
         p, d = place.prefill, place.decode
+        me = asyncio.current_task()
+        assert me is not None
+        for node in {p.node, d.node}:
+            self._inflight.setdefault(node, set()).add(me)
         self.loads.add_prefill(p.node, place.prefill_s, place.uncached)
         self.loads.add_decode(d.node, place.decode_blocks, len(req.token_ids))
         if self.slices is not None:
@@ -359,6 +401,8 @@ class PdDispatcher:
             await stream.aclose()
             prefill_done()
             self.loads.done_decode(d.node, place.decode_blocks, len(req.token_ids))
+            for node in {p.node, d.node}:
+                self._inflight[node].discard(me)
 
     async def _prefill(self, engine: EngineHandle, body: Mapping[str, Any]) -> None:
         async with self._post(engine, body) as resp:
