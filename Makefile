@@ -8,9 +8,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 NATIVE := $(VENV)/.native
+SGLANG := $(VENV)/.sglang-cpu
 
 .DEFAULT_GOAL := help
-.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak clean
+.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak sglang clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -34,6 +35,14 @@ $(NATIVE): $(STAMP) Cargo.toml rust/kvdir/Cargo.toml rust/kvdir-py/Cargo.toml $(
 
 build: $(NATIVE) ## build the Rust extension (release) into .venv
 
+# SGLang 0.5.23's own code, for the tests of the SGLang backend (tests/test_sglang_*): a CPU
+# install (scripts/install-sglang-cpu.sh says how and why), ~3 GB to download, ~6 GB on disk.
+$(SGLANG): $(STAMP) scripts/install-sglang-cpu.sh scripts/sglang-cpu-constraints.txt
+	scripts/install-sglang-cpu.sh $(VENV)
+	touch $@
+
+sglang: $(SGLANG) ## install SGLang 0.5.23 (CPU) into .venv for the SGLang backend's tests
+
 demo: build ## 36 simulated GPUs serving the bundled Claude Code sessions: evolving vs dynamo vs best-static (~2 min)
 	$(VENV)/bin/evolving-infra sim --trace data/traces/claude-code --gpus 36 --agents 40 \
 		--duration 1800 --policies evolving,dynamo,best-static --seed 0 --out out/demo
@@ -46,7 +55,7 @@ test: lint test-rust test-py ## everything CI runs: lint (clippy, stubtest, mypy
 test-rust: ## cargo tests (unit, property, golden)
 	cargo test --workspace --exclude kvdir-py --all-targets
 
-test-py: build ## pytest
+test-py: build $(SGLANG) ## pytest (the SGLang backend's tests included: `pytest -m sglang`)
 	$(VENV)/bin/pytest -q
 
 lint: build ## clippy, rustfmt --check, stubtest, mypy --strict, ruff

@@ -1,4 +1,10 @@
-"""`evolving-infra engine --backend sim`: one simulated engine node on HTTP (and gRPC control)."""
+"""`evolving-infra engine`: one engine node, simulated (`--backend sim`, here) or a patched SGLang
+0.5.23 with its sidecar (`--backend sglang`, `engines/sglang/command.py`).
+
+The parser holds both backends' options. An option of one backend given to the other is an
+error, not silently ignored: such options default to None here (their real defaults are applied
+by the backend that takes them: `SIM_DEFAULTS`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import logging
 import signal
 import sys
 from dataclasses import replace
+from typing import Any
 
 import structlog
 import zmq
@@ -20,6 +27,7 @@ from evolving_infra.control.server import serve as serve_control
 from evolving_infra.engines.events import KvEventPublisher
 from evolving_infra.engines.pool import DEFAULT_SCALE, MasterAddress, PoolError
 from evolving_infra.engines.samples import ForwardPassMetricsPublisher
+from evolving_infra.engines.sglang import command as sglang_command
 from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.engines.sim.http import build_app
 from evolving_infra.engines.sim.pool import parse_master, pool_config
@@ -28,7 +36,7 @@ from evolving_infra.engines.sim.service import SimEngine
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "engine"
-HELP = "run one engine node (simulated: --backend sim)"
+HELP = "run one engine node (--backend sim: simulated; --backend sglang: SGLang 0.5.23 on GPUs)"
 DESCRIPTION = """\
 Run one engine node with SGLang 0.5.23's HTTP data API (/generate with the PD bootstrap fields,
 /v1/chat/completions, /health, /server_info) and the EngineControl gRPC service.
@@ -49,12 +57,47 @@ that this node lacks are fetched from it when another engine put them (pool hits
 
 example:
   evolving-infra engine --backend sim --node-id 0 --phase prefill --port 30000
+
+--backend sglang runs a real SGLang 0.5.23 server on this node's GPUs (sglang==0.5.23
+installed), patched so that a phase switch keeps the KV cache (docs/sglang.md), with every
+argument after -- passed to SGLang, and serves EngineControl for it by driving SGLang's own
+endpoints. evolving-infra sets SGLang's --host/--port, PD mode with in-place role switch,
+bootstrap port, KV events, forward-pass metrics, page size, priority eviction and (with
+--pool-master) HiCache on the Mooncake pool: do not repeat those after --. Ctrl-C/SIGTERM stops
+SGLang; if SGLang exits, so does the command (status 1, with SGLang's last lines).
+
+example (a node with 4 GPUs, starting as prefill; the router runs elsewhere):
+  evolving-infra engine --backend sglang --node-id 0 --phase prefill \\
+      --host 0.0.0.0 --advertise-host 10.0.0.2 --port 30000 --grpc-port 50051 \\
+      --bootstrap-port 8998 --pool-master 10.0.0.1:50051 \\
+      -- --model-path meta-llama/Llama-3.1-70B-Instruct --tp 4
 """
+
+# Options of the simulated engine only, with their defaults (None in the parser, see above).
+SIM_DEFAULTS: dict[str, Any] = {
+    "model": "llama-3-70b",
+    "gpu": "h100-sxm",
+    "tp": 4,
+    "time_scale": 1.0,
+    "seed": 0,
+    "noise": 0.02,
+    "l1_blocks": None,  # HBM left after weights
+    "l2_blocks": None,  # 1 TiB per 8 GPUs, pro rata
+    "kv_bandwidth": None,  # 25 GB/s per GPU x tp
+    "switch_seconds": 6.2,
+    "chunk_tokens": 8192,
+    "max_requests": 1024,
+    "no_prefetch": False,
+    "kv_hold_seconds": 60.0,
+    "pool_scale": DEFAULT_SCALE,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--backend", choices=["sim"], default="sim", help="engine backend (default: sim)")
+    a("--backend", choices=["sim", "sglang"], default="sim",
+      help="sim: the simulated engine; sglang: SGLang 0.5.23 and its sidecar"
+      " (default: sim)")  # fmt: skip
     a("--node-id", type=int, default=0, help="this node's id in the cluster (default: 0)")
     a("--phase", choices=["prefill", "decode"], default="prefill", help="initial phase")
     a("--host", default="127.0.0.1", help="HTTP address to listen on (default: 127.0.0.1)")
@@ -67,33 +110,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-replay-port", type=natural_int, default=0,
       help="ZMQ port of the KV-event replay service (0: any free port; default: 0)")  # fmt: skip
     a("--samples-port", type=natural_int, default=0,
-      help="ZMQ port of the forward-pass metrics (0: any free port; default: 0)")  # fmt: skip
-    a("--model", choices=sorted(MODELS), default="llama-3-70b", help="model (default: %(default)s)")
-    a("--gpu", choices=sorted(GPUS), default="h100-sxm", help="GPU kind (default: %(default)s)")
-    a("--tp", type=positive_int, default=4, help="tensor-parallel GPUs per node (default: 4)")
+      help="ZMQ port of the forward-pass metrics (sglang: a relay of SGLang's; 0: any free"
+      " port; default: 0)")  # fmt: skip
     a("--page-size", type=positive_int, default=16, help="tokens per KV page (default: 16)")
-    a("--time-scale", type=positive_float, default=1.0,
-      help="simulated seconds per real second (default: 1; e.g. 50 for tests)")  # fmt: skip
-    a("--seed", type=int, default=0, help="seed of timing noise and outputs (default: 0)")
-    a("--noise", type=float, default=0.02, help="lognormal sigma of iteration times")
-    a("--l1-blocks", type=positive_int, default=None,
-      help="GPU KV capacity in pages (default: HBM left after weights)")  # fmt: skip
-    a("--l2-blocks", type=natural_int, default=None,
-      help="host KV capacity in pages (default: 1 TiB per 8 GPUs, pro rata; 0: none)")  # fmt: skip
-    a("--kv-bandwidth", type=positive_float, default=None,
-      help="P->D KV transfer bytes/s (default: 25 GB/s per GPU x tp)")  # fmt: skip
-    a("--switch-seconds", type=float, default=6.2,
-      help="simulated seconds of an in-place phase switch once drained (default: 6.2)")  # fmt: skip
-    a("--chunk-tokens", type=positive_int, default=8192, help="chunked prefill budget")
-    a("--max-requests", type=positive_int, default=1024,
-      help="requests in the engine at once; more get HTTP 503 (default: 1024)")  # fmt: skip
-    a("--no-prefetch", action="store_true", help="do not fetch L2 blocks while queued")
-    a("--kv-hold-seconds", type=positive_float, default=60.0,
-      help="real seconds a prefill's KV waits for its decode engine (default: 60)")  # fmt: skip
     a("--pool-master", type=master_address, default=None, metavar="HOST:PORT",
-      help="mooncake_master RPC address of the shared L2 pool (default: no pool)")  # fmt: skip
-    a("--pool-scale", type=positive_int, default=DEFAULT_SCALE,
-      help="pool payload = real block bytes / this (default: %(default)s)")  # fmt: skip
+      help="mooncake_master RPC address of the shared L2 pool (sglang: HiCache's Mooncake"
+      " store; default: no pool)")  # fmt: skip
+    s = parser.add_argument_group("--backend sim only").add_argument
+    d = SIM_DEFAULTS
+    s("--model", choices=sorted(MODELS), default=None, help=f"model (default: {d['model']})")
+    s("--gpu", choices=sorted(GPUS), default=None, help=f"GPU kind (default: {d['gpu']})")
+    s("--tp", type=positive_int, default=None,
+      help=f"tensor-parallel GPUs per node (default: {d['tp']})")  # fmt: skip
+    s("--time-scale", type=positive_float, default=None,
+      help="simulated seconds per real second (default: 1; e.g. 50 for tests)")  # fmt: skip
+    s("--seed", type=int, default=None, help="seed of timing noise and outputs (default: 0)")
+    s("--noise", type=float, default=None,
+      help=f"lognormal sigma of iteration times (default: {d['noise']})")  # fmt: skip
+    s("--l1-blocks", type=positive_int, default=None,
+      help="GPU KV capacity in pages (default: HBM left after weights)")  # fmt: skip
+    s("--l2-blocks", type=natural_int, default=None,
+      help="host KV capacity in pages (default: 1 TiB per 8 GPUs, pro rata; 0: none)")  # fmt: skip
+    s("--kv-bandwidth", type=positive_float, default=None,
+      help="P->D KV transfer bytes/s (default: 25 GB/s per GPU x tp)")  # fmt: skip
+    s("--switch-seconds", type=float, default=None,
+      help="simulated seconds of an in-place phase switch once drained (default: 6.2)")  # fmt: skip
+    s("--chunk-tokens", type=positive_int, default=None,
+      help=f"chunked prefill budget (default: {d['chunk_tokens']})")  # fmt: skip
+    s("--max-requests", type=positive_int, default=None,
+      help="requests in the engine at once; more get HTTP 503 (default: 1024)")  # fmt: skip
+    s("--no-prefetch", action="store_true", default=None,
+      help="do not fetch L2 blocks while queued")  # fmt: skip
+    s("--kv-hold-seconds", type=positive_float, default=None,
+      help="real seconds a prefill's KV waits for its decode engine (default: 60)")  # fmt: skip
+    s("--pool-scale", type=positive_int, default=None,
+      help=f"pool payload = real block bytes / this (default: {d['pool_scale']})")  # fmt: skip
+    sglang_command.add_arguments(parser)
 
 
 def master_address(text: str) -> MasterAddress:
@@ -103,28 +155,38 @@ def master_address(text: str) -> MasterAddress:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def misplaced_options(args: argparse.Namespace) -> list[str]:
+    """The options given that the chosen backend does not take, as flags (`--time-scale`)."""
+    other = sglang_command.OPTIONS if args.backend == "sim" else tuple(SIM_DEFAULTS)
+    given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
+    if args.backend == "sim" and args.sglang_args:
+        given.append("SGLang flags after --")
+    return given
+
+
 def settings_from(args: argparse.Namespace, url: str = "") -> EngineSettings:
-    deployment = Deployment(MODELS[args.model], GPUS[args.gpu], args.tp)
+    v = {k: d if getattr(args, k) is None else getattr(args, k) for k, d in SIM_DEFAULTS.items()}
+    deployment = Deployment(MODELS[v["model"]], GPUS[v["gpu"]], v["tp"])
     return EngineSettings(
         node_id=args.node_id,
         phase=args.phase,
         deployment=deployment,
         page_size=args.page_size,
-        time_scale=args.time_scale,
-        seed=args.seed,
-        noise=args.noise,
-        l1_blocks=args.l1_blocks,
-        l2_blocks=args.l2_blocks,
-        chunk_tokens=args.chunk_tokens,
-        kv_bandwidth=args.kv_bandwidth,
-        switch_seconds=args.switch_seconds,
-        prefetch=not args.no_prefetch,
-        max_requests=args.max_requests,
-        kv_hold_real_s=args.kv_hold_seconds,
+        time_scale=v["time_scale"],
+        seed=v["seed"],
+        noise=v["noise"],
+        l1_blocks=v["l1_blocks"],
+        l2_blocks=v["l2_blocks"],
+        chunk_tokens=v["chunk_tokens"],
+        kv_bandwidth=v["kv_bandwidth"],
+        switch_seconds=v["switch_seconds"],
+        prefetch=not v["no_prefetch"],
+        max_requests=v["max_requests"],
+        kv_hold_real_s=v["kv_hold_seconds"],
         http_url=url,
         pool=None
         if args.pool_master is None
-        else pool_config(args.pool_master, deployment.model, args.page_size, args.pool_scale),
+        else pool_config(args.pool_master, deployment.model, args.page_size, v["pool_scale"]),
     )
 
 
@@ -200,6 +262,17 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    misplaced = misplaced_options(args)
+    if misplaced:
+        other = "sglang" if args.backend == "sim" else "sim"
+        print(
+            f"evolving-infra engine: error: {', '.join(misplaced)}: only --backend {other} takes"
+            f" {'it' if len(misplaced) == 1 else 'them'} (this is --backend {args.backend})",
+            file=sys.stderr,
+        )
+        return 2
     logs.configure(json=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if args.backend == "sglang":
+        return sglang_command.run(args)
     return asyncio.run(serve(args))
