@@ -37,6 +37,7 @@ from evolving_infra.control import (
     SwitchResult,
     TransferRequest,
     TransferResult,
+    UnauthenticatedError,
     UnknownBlocksError,
     UnsupportedError,
     serve,
@@ -520,6 +521,36 @@ def test_a_taken_port_is_an_error() -> None:
         try:
             with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
                 await serve(MemoryEngine(), port=port)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_control_api_key_is_required_on_every_call_when_set() -> None:
+    """Issue 8, security: with `api_key`, a call without it, or with another, is
+    UNAUTHENTICATED (typed on the client side) and changes nothing; the right key works for
+    unary calls and for the sample stream."""
+
+    async def main() -> None:
+        engine = MemoryEngine()
+        server, port = await serve(engine, api_key="s3cret")
+        address = f"127.0.0.1:{port}"
+        try:
+            for key in (None, "wrong", "s3cret "):
+                async with EngineClient(address, timeout=5.0, api_key=key) as client:
+                    with pytest.raises(UnauthenticatedError, match="control API key"):
+                        await client.get_info()
+                    with pytest.raises(UnauthenticatedError):
+                        await client.switch_phase("decode")
+                    with pytest.raises(UnauthenticatedError):
+                        async for _ in client.iteration_samples():
+                            pass
+            assert engine.phase == "prefill"  # nothing was switched
+            async with EngineClient(address, timeout=5.0, api_key="s3cret") as client:
+                assert (await client.get_info()).node_id == NODE
+                samples = [s async for s in client.iteration_samples()]
+                assert len(samples) == len(SAMPLES)
         finally:
             await server.stop(None)
 

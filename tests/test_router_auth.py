@@ -5,13 +5,20 @@ router serving. Real aiohttp app and client on loopback (tests/router_helpers.py
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster_helpers import start_cluster
 from evolving_infra.cli import config_defaults
+from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.router import config
 from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
 from router_helpers import Router, run_router
@@ -120,3 +127,31 @@ def test_keys_from_the_config_file(tmp_path: Path) -> None:
     p.set_defaults(**config_defaults(p, toml))
     c = config.RouterConfig.from_args(p.parse_args([]))
     assert c.api_keys == ApiKeys(data="file-key", admin="adm")
+
+
+def test_engines_and_router_share_a_control_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Live: engines started with a control key (from the environment, as `cluster up`'s
+    children inherit it) serve a router that has it; a router without it cannot start, and
+    says why."""
+    monkeypatch.setenv(CONTROL_API_KEY_ENV, "ctl-key")
+    c = start_cluster(tmp_path, engines=2, prefill=1)
+    try:
+        body = json.dumps(CHAT).encode()
+        req = urllib.request.Request(
+            f"{c.router_url}/v1/chat/completions", data=body,
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        env = {k: v for k, v in os.environ.items() if k != CONTROL_API_KEY_ENV}
+        keyless = subprocess.run(
+            [sys.executable, "-m", "evolving_infra", "router", "--engines", *c.control,
+             "--port", "0"],
+            capture_output=True, text=True, timeout=60, env=env, check=False,
+        )  # fmt: skip
+        assert keyless.returncode == 2
+        assert "control API key" in keyless.stderr
+    finally:
+        c.stop()

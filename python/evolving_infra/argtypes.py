@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def positive_int(text: str) -> int:
@@ -36,3 +37,10 @@ def positive_float(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
     return value
+
+
+def secret(flag: str | None, env: str) -> str | None:
+    """An API key: the flag's value, else the environment variable's (which, unlike a flag, `ps`
+    does not show); empty means no key."""
+    value = flag if flag is not None else os.environ.get(env)
+    return value or None

@@ -17,6 +17,7 @@ from evolving_infra.control.errors import (
     EngineTimeoutError,
     EngineUnavailableError,
     InvalidRequestError,
+    UnauthenticatedError,
     UnknownBlocksError,
     UnsupportedError,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "Tier",
     "TransferRequest",
     "TransferResult",
+    "UnauthenticatedError",
     "UnknownBlocksError",
     "UnsupportedError",
     "handler",

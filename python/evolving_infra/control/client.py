@@ -44,11 +44,15 @@ _Resp = TypeVar("_Resp")
 class EngineClient:
     """Typed async calls to one engine's `EngineControl` service at `address` ("host:port")."""
 
-    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, address: str, *, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None
+    ) -> None:
+        """`api_key`: the engine's control API key (`--control-api-key`), sent with every call."""
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.address = address
         self.timeout = timeout
+        self._metadata = None if api_key is None else (("authorization", f"Bearer {api_key}"),)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = EngineControlStub(self._channel)
 
@@ -74,7 +78,11 @@ class EngineClient:
         timeout: float | None,
     ) -> _Resp:
         try:
-            return await method(request, timeout=self.timeout if timeout is None else timeout)
+            return await method(
+                request,
+                timeout=self.timeout if timeout is None else timeout,
+                metadata=self._metadata,
+            )
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, self.address) from e
 
@@ -156,7 +164,7 @@ class EngineClient:
         `async for` early (break, exception) cancels the stream on the server.
         """
         call = self._stub.StreamIterationSamples(
-            pb.StreamIterationSamplesRequest(), timeout=timeout
+            pb.StreamIterationSamplesRequest(), timeout=timeout, metadata=self._metadata
         )
         try:
             async for message in call:

@@ -92,6 +92,13 @@ class EngineTimeoutError(EngineControlError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class UnauthenticatedError(EngineControlError):
+    """The call carried no control API key, or the wrong one (the engine's
+    `--control-api-key`)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class EngineInternalError(EngineControlError):
     """The engine failed in a way it did not anticipate (a bug); the message says what it raised."""
 
@@ -113,6 +120,7 @@ _CLASSES: tuple[type[EngineControlError], ...] = (
     UnsupportedError,
     EngineUnavailableError,
     EngineTimeoutError,
+    UnauthenticatedError,
     EngineInternalError,
 )
 _BY_KIND = {cls.__name__: cls for cls in _CLASSES}

@@ -11,6 +11,7 @@ an engine method ever reaches grpc, so one bad call cannot take the server down.
 from __future__ import annotations
 
 import abc
+import hmac
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
@@ -24,6 +25,7 @@ from evolving_infra.control.errors import (
     EngineControlError,
     EngineInternalError,
     InvalidRequestError,
+    UnauthenticatedError,
     UnsupportedError,
     to_status,
 )
@@ -43,6 +45,8 @@ from evolving_infra.control.records import (
 from evolving_infra.control.v1 import engine_pb2 as pb
 
 SERVICE_NAME = "evolving_infra.v1.EngineControl"
+# The control API key's environment variable, read by engines and by the router.
+CONTROL_API_KEY_ENV = "EVOLVING_INFRA_CONTROL_API_KEY"
 # Block lists of up to 2^18 hashes with priorities exceed gRPC's default 4 MiB message limit.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 CHANNEL_OPTIONS = (
@@ -95,8 +99,22 @@ class EngineControlService(abc.ABC):
 class _Servicer:
     """Bytes in, bytes out: one method per RPC, each wrapped by `_unary` or the stream loop."""
 
-    def __init__(self, service: EngineControlService) -> None:
+    def __init__(self, service: EngineControlService, api_key: str | None = None) -> None:
         self.service = service
+        self._key = None if api_key is None else f"Bearer {api_key}".encode()
+
+    def _authorize(self, rpc: str, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
+        """Raises `UnauthenticatedError` unless the call carries the control API key (when the
+        engine has one): whoever reaches the port could otherwise switch phases or drop KV."""
+        if self._key is None:
+            return
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        raw = given.encode() if isinstance(given, str) else given
+        if not hmac.compare_digest(raw, self._key):
+            raise UnauthenticatedError(
+                f"{rpc}: this engine needs its control API key"
+                " (metadata 'authorization: Bearer KEY')"
+            )
 
     async def _fail(
         self,
@@ -125,6 +143,7 @@ class _Servicer:
     ) -> bytes:
         started = time.perf_counter()
         try:
+            self._authorize(rpc, context)
             reply = await handle(_parse(rpc, message, raw))
             return reply.SerializeToString()
         except EngineControlError as e:
@@ -190,6 +209,7 @@ class _Servicer:
         samples: AsyncIterator[IterationSample] | None = None
         error: EngineControlError | None = None
         try:
+            self._authorize(rpc, context)
             _parse(rpc, pb.StreamIterationSamplesRequest, raw)
             samples = self.service.iteration_samples()
             async for sample in samples:
@@ -215,9 +235,10 @@ def _parse(rpc: str, message: type[_Req], raw: bytes) -> _Req:
         raise InvalidRequestError(f"{rpc}: malformed {message.__name__} ({e})") from None
 
 
-def handler(service: EngineControlService) -> grpc.GenericRpcHandler:
-    """The gRPC handler of `EngineControl` backed by `service` (for a server you build yourself)."""
-    s = _Servicer(service)
+def handler(service: EngineControlService, api_key: str | None = None) -> grpc.GenericRpcHandler:
+    """The gRPC handler of `EngineControl` backed by `service` (for a server you build yourself);
+    with `api_key`, every call must carry it (`authorization: Bearer KEY` metadata)."""
+    s = _Servicer(service, api_key)
     unary = grpc.unary_unary_rpc_method_handler  # no (de)serializers: raw bytes both ways
     methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "GetInfo": unary(s.get_info),
@@ -236,16 +257,20 @@ def _host_port(host: str, port: int) -> str:
 
 
 async def serve(
-    service: EngineControlService, host: str = "127.0.0.1", port: int = 0
+    service: EngineControlService,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving `service` on host:port (0: any free port); returns the server and its port.
+    With `api_key`, calls without it fail with UNAUTHENTICATED.
 
     Stop it with `await server.stop(grace)`; open sample streams are cancelled after the grace.
     """
     # No SO_REUSEPORT (grpc's default on Linux): a second engine on a taken port must fail, not
     # silently share the port with the first.
     server = grpc.aio.server(options=(*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)))
-    server.add_generic_rpc_handlers((handler(service),))
+    server.add_generic_rpc_handlers((handler(service, api_key),))
     address = _host_port(host, port)
     try:
         bound = server.add_insecure_port(address)

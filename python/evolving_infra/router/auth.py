@@ -18,7 +18,6 @@ like every error, without the key.
 from __future__ import annotations
 
 import hmac
-import os
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -31,12 +30,6 @@ INVALID_API_KEY = "invalid_api_key"
 
 _DATA_PREFIX = "/v1/"
 _ADMIN_PATHS = frozenset({"/metrics"})
-
-
-def key_from(flag: str | None, env: str) -> str | None:
-    """The flag's value, else the environment variable's; empty means no key."""
-    value = flag if flag is not None else os.environ.get(env)
-    return value or None
 
 
 @dataclass(frozen=True, slots=True)

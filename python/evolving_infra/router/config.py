@@ -12,9 +12,10 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evolving_infra.argtypes import positive_int, positive_seconds
+from evolving_infra.argtypes import positive_int, positive_seconds, secret
+from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.logs import Level
-from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, key_from
+from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
 
 HELP = "run the router daemon: OpenAI-compatible front end, branch API, dispatch to engines"
 DESCRIPTION = """\
@@ -90,6 +91,7 @@ class RouterConfig:
     planner_interval: float = DEFAULT_PLANNER_INTERVAL
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    control_api_key: str | None = None  # sent to the engines' EngineControl services
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -112,9 +114,10 @@ class RouterConfig:
             planner=not args.no_planner,
             planner_interval=args.planner_interval,
             shutdown_timeout=args.shutdown_timeout,
+            control_api_key=secret(args.control_api_key, CONTROL_API_KEY_ENV),
             api_keys=ApiKeys(
-                data=key_from(args.api_key, API_KEY_ENV),
-                admin=key_from(args.admin_api_key, ADMIN_API_KEY_ENV),
+                data=secret(args.api_key, API_KEY_ENV),
+                admin=secret(args.admin_api_key, ADMIN_API_KEY_ENV),
             ),
         )
 
@@ -193,6 +196,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-planner",
         action="store_true",
         help="never switch engine phases (the split stays as the engines started)",
+    )
+    parser.add_argument(
+        "--control-api-key",
+        metavar="KEY",
+        help="the engines' EngineControl key (their --control-api-key), sent with every control"
+        f" call; also from {CONTROL_API_KEY_ENV} (default: none)",
     )
     parser.add_argument(
         "--shutdown-timeout",

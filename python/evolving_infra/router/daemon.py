@@ -32,7 +32,7 @@ from aiohttp import web
 
 from evolving_infra._core import KvDirectory
 from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
-from evolving_infra.control.errors import EngineTimeoutError
+from evolving_infra.control.errors import EngineTimeoutError, EngineUnavailableError
 from evolving_infra.router.app import build_app, serve
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
@@ -93,17 +93,17 @@ def handle_of(info: EngineInfo) -> EngineHandle:
 
 
 async def discover(
-    addresses: Sequence[str], page_size: int
+    addresses: Sequence[str], page_size: int, api_key: str | None = None
 ) -> tuple[list[_Engine], dict[str, EngineClient]]:
     """`GetInfo` from every engine: the engines that answered, and the clients of those that did
     not (the health loop keeps asking them). Engines that answer must agree on the page size and
     have distinct node ids; at least one must answer (it names the model)."""
-    clients = [EngineClient(a, timeout=DISCOVERY_TIMEOUT_S) for a in addresses]
+    clients = [EngineClient(a, timeout=DISCOVERY_TIMEOUT_S, api_key=api_key) for a in addresses]
     results = await asyncio.gather(*(c.get_info() for c in clients), return_exceptions=True)
     engines, problems, unreachable = [], [], []
     pending: dict[str, EngineClient] = {}
     for address, client, info in zip(addresses, clients, results, strict=True):
-        if isinstance(info, EngineControlError):
+        if isinstance(info, EngineUnavailableError | EngineTimeoutError):
             unreachable.append(f"{address}: {info}")
             pending[address] = client
         elif isinstance(info, BaseException):
@@ -166,7 +166,9 @@ class RouterDaemon:
 
     async def start(self) -> None:
         cfg = self.config
-        found, self._pending = await discover([e.address for e in cfg.engines], cfg.page_size)
+        found, self._pending = await discover(
+            [e.address for e in cfg.engines], cfg.page_size, cfg.control_api_key
+        )
         self.engines = {e.info.node_id: e for e in found}
         spec = MODELS.get(found[0].info.model, LLAMA3_70B)
         loop = asyncio.get_running_loop()

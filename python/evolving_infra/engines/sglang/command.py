@@ -29,6 +29,8 @@ from typing import Any
 import structlog
 import zmq
 
+from evolving_infra.argtypes import secret
+from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.control.server import serve as serve_control
 from evolving_infra.engines.sglang.launcher import SERVER_COMMAND, SglangProcess, SglangStartError
 from evolving_infra.engines.sglang.server_info import WILDCARD_HOSTS, bracket
@@ -225,7 +227,8 @@ async def _serve(
     sidecar = SglangSidecar(config)
     try:
         await sidecar.start()
-        grpc_server, grpc_port = await serve_control(sidecar, host, args.grpc_port)
+        key = secret(args.control_api_key, CONTROL_API_KEY_ENV)
+        grpc_server, grpc_port = await serve_control(sidecar, host, args.grpc_port, key)
     except (OSError, zmq.ZMQError) as e:
         await sidecar.close()
         await proc.stop(args.stop_timeout or DEFAULT_STOP_TIMEOUT_S)

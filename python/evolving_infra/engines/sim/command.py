@@ -22,7 +22,8 @@ import zmq
 from aiohttp import web
 
 from evolving_infra import logs
-from evolving_infra.argtypes import natural_int, positive_float, positive_int
+from evolving_infra.argtypes import natural_int, positive_float, positive_int, secret
+from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.control.server import serve as serve_control
 from evolving_infra.engines.events import KvEventPublisher
 from evolving_infra.engines.pool import DEFAULT_SCALE, MasterAddress, PoolError
@@ -105,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--grpc-port", type=natural_int, default=0,
       help="EngineControl gRPC port, what the router's --engines names (0: any free port,"
       " logged at start; default: 0)")  # fmt: skip
+    a("--control-api-key", metavar="KEY",
+      help="require this key on every EngineControl call (the router's --control-api-key);"
+      f" also from {CONTROL_API_KEY_ENV} (default: none)")  # fmt: skip
     a("--kv-events-port", type=natural_int, default=0,
       help="ZMQ port of the KV events, in SGLang's wire format (0: any free port)")  # fmt: skip
     a("--kv-replay-port", type=natural_int, default=0,
@@ -232,7 +236,9 @@ async def serve(args: argparse.Namespace) -> int:
     grpc_port = None
     try:
         await site.start()
-        grpc_server, grpc_port = await serve_control(engine, args.host, args.grpc_port)
+        grpc_server, grpc_port = await serve_control(
+            engine, args.host, args.grpc_port, secret(args.control_api_key, CONTROL_API_KEY_ENV)
+        )
     except OSError as e:
         await runner.cleanup()
         await engine.close()
