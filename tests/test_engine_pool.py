@@ -162,7 +162,9 @@ def test_pool_hit_on_a_node_that_never_computed_the_prefix(
     asyncio.run(main())
 
 
-def test_engine_keeps_serving_when_the_pool_dies(tmp_path: Path) -> None:
+def test_engine_keeps_serving_when_the_pool_dies_and_rejoins_when_it_returns(
+    tmp_path: Path,
+) -> None:
     with PoolMaster(log_dir=tmp_path / "master", lease_ttl_ms=200) as m:
         cfg = pool_config(m.address, settings().deployment.model, PAGE, SCALE, tmp_path)
         a_settings = engine_settings(0, cfg, l1_blocks=32, l2_blocks=64)
@@ -189,6 +191,16 @@ def test_engine_keeps_serving_when_the_pool_dies(tmp_path: Path) -> None:
                                 "A notices the pool is gone")  # fmt: skip
                     assert (await serve(b, ids))["cached_tokens"] == 100  # its own L1 now
                 assert any(x["event"] == "pool_down" for x in logs)
+                # The master comes back (same address, empty): both engines rejoin by
+                # themselves and pool hits work again.
+                m.restart()
+                pools = [r.engine.pool for r in (a, b)]
+                await until(lambda: all(p is not None and p.up for p in pools), 30,
+                            "both engines rejoin the pool")  # fmt: skip
+                again = prompt(5, P_TOKENS)
+                await demote_to_l2(a, again, prompt(6, FILL_TOKENS))
+                assert (await serve(b, again))["cached_tokens"] == 100
+                assert (await pool_info(b))["reconnects"] >= 1
 
         asyncio.run(main())
 

@@ -180,8 +180,22 @@ class PoolMaster:
         assert last is not None
         raise last
 
-    def _start_once(self, binary: Path, log_path: Path) -> MasterAddress:
-        rpc_port, metrics_port = free_ports(2)
+    def restart(self) -> MasterAddress:
+        """A master that died (or was stopped) comes back on the same ports, empty, as an
+        operator's restart would: the engines' pool clients find it at the address they know."""
+        if self._address is None:
+            raise MasterStartError("restart: the master was never started")
+        self._kill()
+        log_dir = self.log_path.parent if self.log_path is not None else Path(tempfile.mkdtemp())
+        ports = (self._address.rpc_port, self._address.metrics_port)
+        return self._start_once(
+            mooncake_binary("mooncake_master"), log_dir / "master-restarted.log", ports
+        )
+
+    def _start_once(
+        self, binary: Path, log_path: Path, ports: tuple[int, int] | None = None
+    ) -> MasterAddress:
+        rpc_port, metrics_port = ports or free_ports(2)
         args = [
             str(binary),
             f"--rpc_address={LOOPBACK}",
