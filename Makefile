@@ -11,7 +11,7 @@ NATIVE := $(VENV)/.native
 SGLANG := $(VENV)/.sglang-cpu
 
 .DEFAULT_GOAL := help
-.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak sglang clean
+.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak sglang fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -80,6 +80,17 @@ soak: build ## 200 agents for 10 min on a loopback cluster, an engine killed, th
 	$(VENV)/bin/evolving-infra soak --agents 200 --duration 600 --kill-engine-at 200 \
 		--restart-router-at 400 --log-dir out/soak-logs --json > out/soak.json
 	$(PY) -m json.tool out/soak.json
+
+FUZZ_SECONDS ?= 60
+
+fuzz: ## fuzz the SGLang event decoder and directory operations, FUZZ_SECONDS (60) s each (not in `make test`)
+	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	$(PYTHON) rust/kvdir/fuzz/build_corpus.py
+	cd rust/kvdir && cargo +nightly fuzz run decode_events -- \
+		-max_total_time=$(FUZZ_SECONDS) -dict=fuzz/decode_events.dict
+	cd rust/kvdir && cargo +nightly fuzz run directory_ops -- \
+		-max_total_time=$(FUZZ_SECONDS) -max_len=1024
 
 bench: bench-rust bench-py bench-dynamo ## all benchmarks (figures printed; nothing asserted on time)
 
