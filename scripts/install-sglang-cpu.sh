@@ -13,7 +13,8 @@ if [[ $# -ne 1 ]]; then
     echo "usage: $0 VENV_DIR" >&2
     exit 2
 fi
-venv=$1
+# Absolute: step 5 puts VENV_DIR/bin on PATH for a compiler that runs in another folder.
+venv=$(cd "$1" 2>/dev/null && pwd) || { echo "$0: no folder $1" >&2; exit 2; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 constraints="$here/sglang-cpu-constraints.txt"
 pip="$venv/bin/pip"
