@@ -410,28 +410,26 @@ def test_scheduler_target_applies_the_patch_in_a_spawned_process(
     assert f"pid={proc.pid}" in out
 
 
-def test_launch_patched_server_hands_sglang_the_patched_target(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SGLang's real `launch_server.run_server` (argument parsing and validation included) up to
-    the point where it would start the engine processes."""
+def _launch_with_recorders(model_dir: str, out: Any) -> None:
+    """Child of the test below: SGLang's real `run_server` with its process launcher replaced by
+    a recorder; the findings go back through `out`.
+
+    NOTE: `os._exit`, not a normal exit: after `run_server` has run, SGLang 0.5.23's native
+    modules crash the interpreter's finalization (a segfault with no Python frame, in a C
+    extension's static destructors), which would fail the test process for what SGLang does at
+    exit, not for the patch. The child skips finalization once it has reported.
+    """
     http_server = sg("sglang.srt.entrypoints.http_server")
     engine_cls = sg("sglang.srt.entrypoints.engine").Engine
     launched: list[tuple[Any, Any]] = []
     killed: list[int] = []
-    monkeypatch.setattr(
-        http_server,
-        "launch_server",
-        lambda args, run_scheduler_process_func=None: launched.append(
-            (args, run_scheduler_process_func)
-        ),
+    http_server.launch_server = lambda args, run_scheduler_process_func=None: launched.append(
+        (args, run_scheduler_process_func)
     )
-    monkeypatch.setattr(engine_cls, "run_scheduler_process_func", None)
-    monkeypatch.setattr(
-        sg("sglang.srt.utils"), "kill_process_tree", lambda pid, **_: killed.append(pid)
-    )
+    engine_cls.run_scheduler_process_func = None
+    sg("sglang.srt.utils").kill_process_tree = lambda pid, **_: killed.append(pid)
     argv = [
-        "--model-path", tiny_model_dir(tmp_path / "model"), "--device", "cpu",
+        "--model-path", model_dir, "--device", "cpu",
         *flags.sglang_flags(phase="prefill", bootstrap_port=18998,
                             kv_events_endpoint="tcp://127.0.0.1:15557",
                             kv_replay_endpoint="tcp://127.0.0.1:15558", fpm_endpoint=None,
@@ -439,12 +437,45 @@ def test_launch_patched_server_hands_sglang_the_patched_target(
     ]  # fmt: skip
     patch.launch_patched_server(argv)
     [(server_args, target)] = launched
-    assert target is patch.run_patched_scheduler_process
-    assert engine_cls.run_scheduler_process_func is patch.run_patched_scheduler_process
-    assert (server_args.disaggregation_mode, server_args.page_size) == ("prefill", PAGE)
-    assert killed == [os.getpid()]
-    # The parent is patched too (it runs the tokenizer manager, not the scheduler).
     role_switch = sg("sglang.srt.disaggregation.role_switch")
-    assert role_switch._release_prefix_cache_for_role_switch is (
-        patch.keep_prefix_cache_for_role_switch
+    out.put(
+        {
+            "target": target is patch.run_patched_scheduler_process,
+            "engine_target": engine_cls.run_scheduler_process_func
+            is patch.run_patched_scheduler_process,
+            "mode": server_args.disaggregation_mode,
+            "page_size": server_args.page_size,
+            "killed_self": killed == [os.getpid()],
+            # The parent is patched too (it runs the tokenizer manager, not the scheduler).
+            "parent_patched": role_switch._release_prefix_cache_for_role_switch
+            is patch.keep_prefix_cache_for_role_switch,
+        }
     )
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_launch_patched_server_hands_sglang_the_patched_target(tmp_path: Path) -> None:
+    """SGLang's real `launch_server.run_server` (argument parsing and validation included) up to
+    the point where it would start the engine processes, in a child process (see
+    `_launch_with_recorders` for why)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(
+        target=_launch_with_recorders, args=(tiny_model_dir(tmp_path / "model"), out)
+    )
+    proc.start()
+    try:
+        found = out.get(timeout=180)
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
+    assert found == {
+        "target": True,
+        "engine_target": True,
+        "mode": "prefill",
+        "page_size": PAGE,
+        "killed_self": True,
+        "parent_patched": True,
+    }
