@@ -295,15 +295,17 @@ def test_live_branches_are_evicted_last(kind: str) -> None:
     patch.apply()
     receiver = patch.HintsReceiver("tcp://127.0.0.1:*")
     try:
-        live = block_hashes(SEQS["A"], PAGE) + block_hashes(SEQS["B"], PAGE)
-        send(receiver.endpoint, patch.encode_hints(live, [2, 2, 1, 1], replace=False))
+        # As the router hints: the tail of each live branch stands for its whole chain.
+        tails = [block_hashes(SEQS[n], PAGE)[-1] for n in ("A", "B")]
+        send(receiver.endpoint, patch.encode_hints(tails, [2, 1], replace=False))
         drain(receiver, 1)
+        assert patch.BRANCH_COUNTS.refresh(c.root_node) >= 2  # A's and B's nodes, and parents
         assert evicted_after(c, 4) == ["C", "D"]
         # A replacing message: only A is live now, so B (older than nothing left) goes next.
-        send(receiver.endpoint, patch.encode_hints(block_hashes(SEQS["A"], PAGE), [1, 1],
-                                                   replace=True))  # fmt: skip
+        send(receiver.endpoint, patch.encode_hints(tails[:1], [1], replace=True))
         drain(receiver, 1)
-        assert patch.BRANCH_COUNTS.count(live[2]) == 0
+        patch.BRANCH_COUNTS.refresh(c.root_node)
+        assert patch.BRANCH_COUNTS.count(tails[1]) == 0
         assert evicted_after(c, 2) == ["B", "C", "D"]
     finally:
         receiver.close()
@@ -358,15 +360,22 @@ def test_scheduler_polls_hints_each_iteration(
     monkeypatch.delenv(patch.TREE_CORE_ENV, raising=False)
     patch.apply()
     assert os.environ[patch.TREE_CORE_ENV] == "python"  # the key is computed in Python only
-    s = SimpleNamespace(tp_size=1)
+    p = pools()
+    tree = cache("radix", p)
+    insert(tree, p, SEQS["A"])
+    s = SimpleNamespace(tp_size=1, tree_cache=tree)
     assert scheduler_cls.ingest_requests(s) == []
-    send(endpoint, patch.encode_hints([11, 12], [1, 4], replace=True))
+    tail = block_hashes(SEQS["A"], PAGE)[-1]
+    send(endpoint, patch.encode_hints([tail, 12], [1, 4], replace=True))
     deadline = time.monotonic() + 5
     while patch.BRANCH_COUNTS.count(12) != 4:
         assert time.monotonic() < deadline, "the scheduler loop never applied the hints"
         scheduler_cls.ingest_requests(s)
         time.sleep(0.002)
     assert calls[0] is s
+    # ... and marked the scheduler's tree nodes the hinted chain runs through.
+    [node] = tree.root_node.children.values()
+    assert patch.BRANCH_COUNTS.node_is_live(node)
 
 
 def test_hints_stay_off_with_tensor_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -145,20 +145,24 @@ def page_hash(hex_digest: str) -> int:
 
 
 class BranchCounts:
-    """Live-branch count per block hash, as last told by the router; absent means 0.
+    """The blocks live agent branches need, as last told by the router, and the tree nodes that
+    hold them.
 
-    Only counts > 0 are stored: the table is as large as the live set, not the cache. A radix node
-    spans several pages; it is live when its *first* page is: a branch context is a chain from the
-    first page, so a count never grows down a chain, and a node with any live page has a live first
-    page. One dict lookup per eviction candidate, no index of nodes to maintain (node splits and
-    deletions need no bookkeeping). A node whose page hashes SGLang has not computed (KV events
-    off) counts as dead.
+    The router hints the *tail* of each live branch (`router/daemon.py::_hints_loop`): a hinted
+    block and every block before it on its chain are needed (DESIGN §2's `R_b > 0`). So a radix
+    node is live when it is on the path from the root to a node holding a hinted page.
+    `refresh(root)` finds those nodes in one pass over the tree, each time hints arrive (every
+    few seconds), and keeps their ids; the eviction key then costs one set lookup. Nodes created
+    since the last refresh (a split, a new insert) count as dead until the next one, which only
+    lets them be evicted as upstream's LRU would. A node whose page hashes SGLang has not
+    computed (KV events off) counts as dead.
     """
 
-    __slots__ = ("_live",)
+    __slots__ = ("_live", "_nodes")
 
     def __init__(self) -> None:
-        self._live: dict[int, int] = {}
+        self._live: dict[int, int] = {}  # hinted block hash -> count > 0
+        self._nodes: set[int] = set()  # ids of the tree nodes on a path to a hinted block
 
     def update(self, hashes: Sequence[int], counts: Sequence[int], *, replace: bool) -> None:
         if replace:
@@ -170,17 +174,34 @@ class BranchCounts:
             else:
                 self._live.pop(h, None)
 
+    def refresh(self, root: Any) -> int:
+        """Marks the nodes on the path from `root` to every node holding a hinted page; returns
+        how many are live."""
+        live: set[int] = set()
+        if self._live:
+            # The router's hashes are the first 16 hex digits of the page digests (`page_hash`).
+            prefixes = {format(h & 0xFFFF_FFFF_FFFF_FFFF, "016x") for h in self._live}
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                pages = node.event_hash_value or node.hash_value
+                if pages and any(p[:16] in prefixes for p in pages):
+                    while node is not None and node is not root and id(node) not in live:
+                        live.add(id(node))
+                        node = node.parent
+        self._nodes = live
+        return len(live)
+
     def count(self, block_hash: int) -> int:
         return self._live.get(block_hash, 0)
 
     def node_is_live(self, node: Any) -> bool:
-        pages: list[str] | None = node.hash_value
-        if not pages or not self._live:
-            return False
-        return page_hash(pages[0]) in self._live
+        return id(node) in self._nodes
 
     def clear(self) -> None:
         self._live = {}
+        self._nodes = set()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -296,8 +317,8 @@ def _ingest_requests_then_hints(self: Any, *args: Any, **kwargs: Any) -> Any:
     """Wraps `managers/scheduler.py::Scheduler.ingest_requests`; polls the hints after it."""
     result = _UPSTREAM["ingest_requests"].upstream(self, *args, **kwargs)
     receiver = _receiver if _receiver_checked else _start_receiver(self)
-    if receiver is not None:
-        receiver.poll()
+    if receiver is not None and receiver.poll():
+        receiver.counts.refresh(self.tree_cache.root_node)
     return result
 
 
