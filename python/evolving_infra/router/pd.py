@@ -151,10 +151,14 @@ class _Placement:
 class _UnreachableError(Exception):
     """An engine did not answer at the connection level (the request may be retried)."""
 
-    def __init__(self, engine: EngineHandle, reason: str) -> None:
+    def __init__(self, engine: EngineHandle, reason: str, *, gone: bool = True) -> None:
         super().__init__(reason)
         self.engine = engine
         self.reason = reason
+        # False: it did not answer in time (overloaded, perhaps): try elsewhere, but leave
+        # judging it down to the health loop, or a busy cluster's only decode node would be
+        # taken out by its own load.
+        self.gone = gone
 
 
 class PdDispatcher:
@@ -313,7 +317,8 @@ class PdDispatcher:
                 excluded.add(node)
                 log.warning("retry", request=request.request_id, down=node)
             except _UnreachableError as e:
-                self.set_state(e.engine.node, "down", e.reason)
+                if e.gone:
+                    self.set_state(e.engine.node, "down", e.reason)
                 if streamed or attempt == 1:
                     raise EngineFailedError(
                         f"engine {e.engine.node} unreachable: {e.reason}",
@@ -482,7 +487,10 @@ class _Request:
             self.resp = await self.session.post(
                 f"{self.engine.http_url}/generate", json=self.body, timeout=self.timeout
             )
-        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+        except TimeoutError as e:  # aiohttp's connection timeouts are TimeoutErrors too
+            reason = str(e) or type(e).__name__
+            raise _UnreachableError(self.engine, reason, gone=False) from None
+        except aiohttp.ClientConnectionError as e:
             raise _UnreachableError(self.engine, str(e) or type(e).__name__) from None
         return self.resp
 
