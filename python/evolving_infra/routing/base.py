@@ -40,7 +40,11 @@ class RouteRequest:
 
 
 class Router(Protocol):
-    """Chooses the prefill node and the decode node of a request among accepting nodes."""
+    """Chooses the prefill node and the decode node of a request among accepting nodes.
+
+    A router may also offer `index()`: a `routing.index.LoadIndex` that makes the same choices
+    from views a driver updates one node at a time (the simulator uses it when there is one).
+    """
 
     name: str
 

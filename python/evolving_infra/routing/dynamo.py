@@ -32,9 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from evolving_infra._core import KvDirectory
-from evolving_infra.routing.base import NodeLoad, RouteRequest
+import numpy as np
+
+from evolving_infra._core import KvDirectory, PrefixMatch
+from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
 from evolving_infra.routing.common import blocks_for, candidates
+from evolving_infra.routing.index import SHIFT, LoadIndex, first_masked, keys
 
 
 class DynamoRouter:
@@ -104,3 +107,78 @@ class DynamoRouter:
             key=lambda n: (n.kv_used_blocks + incoming, n.decode_requests, n.node),
         )
         return best.node
+
+    def index(self) -> DynamoIndex:
+        return DynamoIndex(self)
+
+
+class DynamoIndex(LoadIndex):
+    """`DynamoRouter`'s choices kept up to date per node (`routing.index`).
+
+    Prefill: a node that holds none of the prompt earns no credit, so its cost is
+    `scale·(queued + prompt)/bs + used + ceil(prompt/bs)`. With scale 1, a power-of-two block
+    size and no shared-cache credit that float is exact, `(queued + bs·used + ...)/bs`, so among
+    such nodes the cost orders as the integer `queued + bs·used` does, whatever the prompt: the
+    best of them is an argmin over a column, with the nodes the match names left out; those few
+    get the formula (`DynamoRouter.cost`), and the least `(cost, node)` wins as in `costs`. Any
+    other setting scans the views with the stateless method. Decode: argmin of the packed
+    `(used, requests)` key (the request's own blocks add the same to every node).
+    """
+
+    def __init__(self, router: DynamoRouter) -> None:
+        super().__init__()
+        self.router = router
+        bs = router.block_size
+        self.exact = (
+            router.prefill_load_scale == 1.0
+            and not router.count_shared_cache
+            and bs & (bs - 1) == 0
+        )
+        self._prefill = keys(0)
+        self._decode = keys(0)
+
+    def _key(self, phase: Phase, load: NodeLoad) -> int:
+        if phase == "prefill":
+            assert load.queued_prefill_tokens >= 0, "queued tokens are a count"
+            return load.queued_prefill_tokens + self.router.block_size * load.kv_used_blocks
+        return load.kv_used_blocks * SHIFT + load.decode_requests
+
+    def _rebuild(self, phase: Phase, loads: list[NodeLoad]) -> None:
+        col = np.array([self._key(phase, x) for x in loads], dtype=np.int64)
+        if phase == "prefill":
+            self._prefill = col
+        else:
+            self._decode = col
+
+    def _write(self, phase: Phase, slot: int, load: NodeLoad) -> None:
+        (self._prefill if phase == "prefill" else self._decode)[slot] = self._key(phase, load)
+
+    def choose_prefill(
+        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
+    ) -> int:
+        ids = self._need("prefill")
+        r = self.router
+        if not self.exact:
+            return r.choose_prefill(request, self.members("prefill"), directory)
+        if match is None:
+            match = directory.match(request.hashes)
+        pool = match.pool
+        slot = self._slot["prefill"]
+        best: tuple[float, int] | None = None
+        held: list[int] = []
+        for node, (l1, l12) in match.nodes.items():
+            k = slot.get(node)
+            if k is not None:
+                held.append(k)
+                c = (r.cost(request, self.loads[node], l1, l12, pool), node)
+                best = c if best is None or c < best else best
+        k = first_masked(self._prefill, held) if held else int(self._prefill.argmin())
+        if k >= 0:
+            node = ids[k]
+            c = (r.cost(request, self.loads[node], 0, 0, pool), node)
+            best = c if best is None or c < best else best
+        assert best is not None
+        return best[1]
+
+    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+        return self._need("decode")[int(self._decode.argmin())]

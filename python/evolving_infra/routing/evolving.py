@@ -18,9 +18,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
-from evolving_infra._core import KvDirectory
-from evolving_infra.routing.base import NodeLoad, RouteRequest
+import numpy as np
+
+from evolving_infra._core import KvDirectory, PrefixMatch
+from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
 from evolving_infra.routing.common import candidates, most_free_decode
+from evolving_infra.routing.index import LoadIndex, keys, most_free_key
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.ttft import (
     DEFAULT_L2_BANDWIDTH,
@@ -90,18 +93,23 @@ class EvolvingRouter:
     def _predictor(self, key: tuple[int, ...]) -> TTFTPredictor:
         pred = self._predictors.get(key)
         if pred is None:
-            pred = TTFTPredictor(
-                self.model,
-                key,
-                block_size=self.block_size,
-                kv_bytes_per_token=self.kv_bytes_per_token,
-            )
-            pred.bandwidth = self.bandwidth
+            pred = self.new_predictor(key)
             self._predictors[key] = pred
             if len(self._predictors) > PREDICTOR_CACHE:
                 self._predictors.popitem(last=False)
         else:
             self._predictors.move_to_end(key)
+        return pred
+
+    def new_predictor(self, nodes: Sequence[int]) -> TTFTPredictor:
+        """A predictor over `nodes` that shares this router's bandwidth estimate."""
+        pred = TTFTPredictor(
+            self.model,
+            nodes,
+            block_size=self.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )
+        pred.bandwidth = self.bandwidth
         return pred
 
     # -- decode -------------------------------------------------------------------------------
@@ -110,3 +118,52 @@ class EvolvingRouter:
         self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
     ) -> int:
         return most_free_decode(request, nodes, self.block_size)
+
+    def index(self) -> EvolvingIndex:
+        return EvolvingIndex(self)
+
+
+class EvolvingIndex(LoadIndex):
+    """`EvolvingRouter`'s choices kept up to date per node (`routing.index`).
+
+    Prefill: a predictor over the accepting prefill nodes whose queue array is written in place
+    when a node's queue changes, so a choice is the match and one native TTFT scan (the same
+    inputs as the stateless path, hence the same node). Decode: `most_free_decode` filters the
+    nodes that fit and takes the most free, ties by fewer requests; but if any node fits, the
+    most free one does, so the choice is the argmin of the packed `(-free, requests)` key over
+    every accepting decode node.
+    """
+
+    def __init__(self, router: EvolvingRouter) -> None:
+        super().__init__()
+        self.router = router
+        self._pred: TTFTPredictor | None = None
+        self._decode = keys(0)
+
+    def _rebuild(self, phase: Phase, loads: list[NodeLoad]) -> None:
+        if phase == "prefill":
+            self._pred = self.router.new_predictor([x.node for x in loads]) if loads else None
+            for k, x in enumerate(loads):
+                self._write(phase, k, x)
+        else:
+            self._decode = np.array([most_free_key(x) for x in loads], dtype=np.int64)
+
+    def _write(self, phase: Phase, slot: int, load: NodeLoad) -> None:
+        if phase == "prefill":
+            assert self._pred is not None
+            q = load.queued_prefill_s
+            self._pred.queue[slot] = q if q > 0 else 0.0
+        else:
+            self._decode[slot] = most_free_key(load)
+
+    def choose_prefill(
+        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
+    ) -> int:
+        self._need("prefill")
+        assert self._pred is not None
+        if match is None:
+            match = directory.match(request.hashes)
+        return self._pred.choose(match, max(request.prompt_tokens, 1))[0]
+
+    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+        return self._need("decode")[int(self._decode.argmin())]

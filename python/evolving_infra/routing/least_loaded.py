@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from evolving_infra._core import KvDirectory
-from evolving_infra.routing.base import NodeLoad, RouteRequest
+import numpy as np
+
+from evolving_infra._core import KvDirectory, PrefixMatch
+from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
 from evolving_infra.routing.common import candidates, decode_blocks_needed, free_blocks
+from evolving_infra.routing.index import NO_KEY, SHIFT, LoadIndex, keys, most_free_key
 
 
 class LeastLoadedRouter:
@@ -48,3 +51,52 @@ class LeastLoadedRouter:
             return min(cands, key=lambda n: (-free_blocks(n), n.decode_requests, n.node)).node
         best = min(fitting, key=lambda n: (n.decode_requests, n.kv_used_blocks, n.node))
         return best.node
+
+    def index(self) -> LeastLoadedIndex:
+        return LeastLoadedIndex(self)
+
+
+class LeastLoadedIndex(LoadIndex):
+    """`LeastLoadedRouter`'s choices kept up to date per node (`routing.index`): argmin of the
+    queued tokens for prefill; for decode, free blocks per node, the packed `(requests, used)`
+    key among the nodes that fit, and the packed `(-free, requests)` key when none does."""
+
+    matches = False  # cache-blind
+
+    def __init__(self, router: LeastLoadedRouter) -> None:
+        super().__init__()
+        self.router = router
+        self._queued = keys(0)
+        self._free = keys(0)
+        self._fit = keys(0)
+        self._most_free = keys(0)
+
+    def _rebuild(self, phase: Phase, loads: list[NodeLoad]) -> None:
+        n = len(loads)
+        if phase == "prefill":
+            self._queued = keys(n)
+        else:
+            self._free, self._fit, self._most_free = keys(n), keys(n), keys(n)
+        for k, x in enumerate(loads):
+            self._write(phase, k, x)
+
+    def _write(self, phase: Phase, slot: int, load: NodeLoad) -> None:
+        if phase == "prefill":
+            self._queued[slot] = load.queued_prefill_tokens
+            return
+        self._free[slot] = free_blocks(load)
+        self._fit[slot] = load.decode_requests * SHIFT + load.kv_used_blocks
+        self._most_free[slot] = most_free_key(load)
+
+    def choose_prefill(
+        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
+    ) -> int:
+        return self._need("prefill")[int(self._queued.argmin())]
+
+    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+        ids = self._need("decode")
+        need = decode_blocks_needed(request, self.router.block_size)
+        fits = self._free >= need
+        if not fits.any():
+            return ids[int(self._most_free.argmin())]
+        return ids[int(np.where(fits, self._fit, NO_KEY).argmin())]

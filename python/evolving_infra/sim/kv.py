@@ -30,8 +30,7 @@ is then one `is None` test.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import repeat
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, Protocol
 
 import numpy as np
@@ -68,28 +67,46 @@ class BlockParents:
     registered chains: one dictionary look-up per stretch and a vectorised comparison find each
     stretch, where a look-up per block (hundreds of thousands per simulated minute, each a
     cache miss in a dictionary of millions) was the simulator's hottest spot.
+
+    NOTE: a block maps to one int, `chain number << INDEX_BITS | index`, rather than to a tuple:
+    inserting millions of tuples took three times as long and twice the memory. `pos` shows the
+    same map as `(chain, index)` pairs, for readers.
     """
 
+    INDEX_BITS = 24  # chains up to 16M blocks
+    _MASK = (1 << INDEX_BITS) - 1
+
     def __init__(self) -> None:
-        self.pos: dict[int, tuple[IntArray, int]] = {}
+        self._at: dict[int, int] = {}
+        self._chains: list[IntArray] = []
+        self.pos = ChainPositions(self)
 
     def __contains__(self, h: int) -> bool:
-        return h in self.pos
+        return h in self._at
+
+    def at(self, h: int) -> tuple[IntArray, int] | None:
+        """(a chain holding `h`, its index there), or None for a block never registered."""
+        ref = self._at.get(h)
+        if ref is None:
+            return None
+        return self._chains[ref >> self.INDEX_BITS], ref & self._MASK
 
     def register(self, chain: Sequence[int]) -> None:
         """Records a chain from a first page (chains are prefix-closed: the known blocks are a
         prefix of it, so one binary search finds the new ones)."""
-        pos = self.pos
+        at = self._at
         lo, hi = 0, len(chain)
         while lo < hi:
             mid = (lo + hi) // 2
-            if chain[mid] in pos:
+            if chain[mid] in at:
                 lo = mid + 1
             else:
                 hi = mid
         if lo < len(chain):
-            arr = np.array(chain, dtype=np.int64)
-            pos.update(zip(chain[lo:], zip(repeat(arr), range(lo, len(chain))), strict=False))
+            assert len(chain) <= self._MASK, "a chain longer than INDEX_BITS can index"
+            base = len(self._chains) << self.INDEX_BITS
+            self._chains.append(np.array(chain, dtype=np.int64))
+            at.update(zip(chain[lo:], range(base + lo, base + len(chain)), strict=True))
 
     def runs(self, blocks: list[int]) -> list[tuple[int, int, int | None]]:
         """`blocks` (each after its parent, if that is among them) cut into parent-child runs:
@@ -99,16 +116,16 @@ class BlockParents:
         holds its whole path from the first page, so one comparison against that chain finds
         the whole run, however many turns registered its blocks.
         """
-        pos = self.pos
+        at, chains, bits, mask = self._at, self._chains, self.INDEX_BITS, self._MASK
         ev = np.array(blocks, dtype=np.int64)
         out: list[tuple[int, int, int | None]] = []
         hi = len(blocks)
         while hi > 0:
-            ref = pos.get(blocks[hi - 1])
+            ref = at.get(blocks[hi - 1])
             if ref is None:
                 hi -= 1
                 continue
-            arr, j = ref
+            arr, j = chains[ref >> bits], ref & mask
             span = min(hi, j + 1)
             diff = ev[hi - span : hi] != arr[j + 1 - span : j + 1]
             # The run starts after the last mismatch (the block before it is not its parent).
@@ -118,6 +135,28 @@ class BlockParents:
             hi = lo
         out.reverse()
         return out
+
+
+class ChainPositions(Mapping[int, tuple[IntArray, int]]):
+    """`BlockParents`' map as `block -> (a chain holding it, its index there)` (read-only)."""
+
+    def __init__(self, parents: BlockParents) -> None:
+        self._parents = parents
+
+    def __getitem__(self, h: int) -> tuple[IntArray, int]:
+        ref = self._parents.at(h)
+        if ref is None:
+            raise KeyError(h)
+        return ref
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._parents._at
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._parents._at)
+
+    def __len__(self) -> int:
+        return len(self._parents._at)
 
 
 class NodeKv:

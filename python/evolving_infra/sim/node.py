@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from evolving_infra._core import KvDirectory
+from evolving_infra._core import KvDirectory, PrefixMatch
 from evolving_infra.routing.base import NodeLoad, Phase
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.config import PIN_TIME
@@ -138,10 +138,13 @@ class Node:
 
     # -- prefill ------------------------------------------------------------------------------
 
-    def reach(self, hashes: Sequence[int]) -> tuple[int, int, int, int]:
+    def reach(
+        self, hashes: Sequence[int], match: PrefixMatch | None = None
+    ) -> tuple[int, int, int, int]:
         """(l1, l12, pool, c): the prompt's leading blocks in this node's L1, its L1 or L2, any
-        L2 (capped to what is reachable), and the cached prefix this node can use."""
-        m = self.directory.match(hashes)
+        L2 (capped to what is reachable), and the cached prefix this node can use. `match`:
+        the directory's match of `hashes`, if the caller has it already."""
+        m = self.directory.match(hashes) if match is None else match
         l1, l12 = m.nodes.get(self.id, (0, 0))
         if not self.s.shared_pool:
             return l1, l12, l12, l12
@@ -156,11 +159,13 @@ class Node:
             + (c - pool) / s.net_bandwidth
         )
 
-    def enqueue(self, req: SimRequest, now: float) -> tuple[int, int]:
+    def enqueue(
+        self, req: SimRequest, now: float, match: PrefixMatch | None = None
+    ) -> tuple[int, int]:
         """Queues `req` for prefill; returns its (uncached, cached) prompt tokens as estimated
-        now (the demand the planner's slices count)."""
+        now (the demand the planner's slices count). `match`: as in `reach`."""
         bs, t = self.s.block_size, req.prompt_tokens
-        l1, l12, pool, c = self.reach(req.hashes)
+        l1, l12, pool, c = self.reach(req.hashes, match)
         u = max(t - min(c * bs, t), 1)
         req.cached_blocks = c
         req.uncached = u
@@ -348,9 +353,16 @@ class Node:
         return True
 
     def _admit_decode(self, req: SimRequest, now: float) -> bool:
-        h = req.hashes
+        h, kv = req.hashes, self.kv
+        total = blocks_for(req.prompt_tokens + req.output_tokens, self.s.block_size)
+        # NOTE: whatever prefix h_d <= len(h) this node holds, `_reserve_pinned(h, h_d, total -
+        # h_d)` fits only if total <= free + max(l1_held - pinned, len(h)): when even that
+        # fails (a saturated node retried at every finish), skip the match, which walks the
+        # whole prompt, and refuse as `_reserve_pinned` would (it changes nothing then).
+        if total > kv.l1_capacity - kv.l1_held - kv.reserved + max(kv.l1_held - kv.pinned, len(h)):
+            return False
         h_d = self.directory.match(h).nodes.get(self.id, (0, 0))[0] if h else 0
-        need = blocks_for(req.prompt_tokens + req.output_tokens, self.s.block_size) - h_d
+        need = total - h_d
         if not self._reserve_pinned(h, h_d, need, now):
             return False
         req.pin_d, req.res_d, req.h_d = h_d, need, h_d

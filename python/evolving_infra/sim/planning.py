@@ -69,6 +69,7 @@ class Switcher:
         reroute_prefill: Callable[[SimRequest], None],
         take_prefilled: Callable[[int], list[SimRequest]] | None = None,
         start_transfer: Callable[[SimRequest], None] | None = None,
+        moved: Callable[[Node], None] | None = None,
     ) -> None:
         self.nodes = nodes
         self.planner = planner
@@ -82,6 +83,9 @@ class Switcher:
         # a decode node (taken out of the queues they wait in), and how they start decoding.
         self._take_prefilled = take_prefilled
         self._start_transfer = start_transfer
+        # A node's state, phase or KV changed here: the cluster's routing index must hear it
+        # before the next routing decision (the reroutes below make some at once).
+        self._moved = moved if moved is not None else _ignore
         self.adopted: dict[int, list[SimRequest]] = {}
         self.in_flight: dict[int, SwitchLog] = {}
         self.log: list[SwitchLog] = []
@@ -112,10 +116,12 @@ class Switcher:
             self.log.append(log)
             node.state = "draining"
             node.drain_start = now
+            self._moved(node)
             for r in node.take_waiting():
                 self._reroute(r)
             for r in node.take_queued(now):
                 self._reroute_prefill(r)
+            self._moved(node)
             self.check(node, now)
         return True
 
@@ -130,6 +136,7 @@ class Switcher:
         node.state = "down"
         if self.mode != "in-place-keep":
             node.kv.clear()
+        self._moved(node)
         self._at(now + self.down_s, self._up, node)
 
     def _adopt(self, node: Node, log: SwitchLog) -> bool:
@@ -164,9 +171,14 @@ class Switcher:
             node.release(r, log.up, kick=False)
             if node.offer(r, log.up) and self._start_transfer is not None:
                 self._start_transfer(r)
+        self._moved(node)
         if not self.in_flight:
             self.planner.switch_done()
         self._back()
+
+
+def _ignore(node: Node) -> None:
+    pass
 
 
 def _load_key(n: Node) -> tuple[float, int, int]:

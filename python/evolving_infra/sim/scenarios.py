@@ -209,8 +209,8 @@ def _no_planner(size: Size) -> list[ScenarioRun]:
 
 
 # Simulated seconds and agents of the scale scenarios' quick variants: the point of a quick run
-# there is that the cluster runs end to end, and how fast; a full one is hours (docs/simulator.md:
-# one simulated hour of 256 GPUs ~270 s per policy; 3,072 GPUs is ~12x the nodes).
+# there is that the cluster runs end to end, and how fast; a full one is hours (docs/simulator.md,
+# "Speed": at 3,072 GPUs, more than an hour per policy and more memory than the trace fits in).
 SCALE_QUICK = {36: (600.0, 1.0), 256: (120.0, 0.5), 3072: (30.0, 0.1)}
 
 

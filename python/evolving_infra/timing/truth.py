@@ -76,6 +76,9 @@ class Efficiency:
     per_request: float = 20e-6
 
 
+DENSE_MEMO = 1 << 16  # ~40 MB of memoised terms at most
+
+
 class RooflineTruth:
     """Implements `Timing`. Expected times are noise-free; `*_time` multiply a lognormal noise."""
 
@@ -95,6 +98,10 @@ class RooflineTruth:
         self.noise = noise
         self.efficiency = efficiency
         self._rng = random.Random(seed)
+        # `_dense` by (tokens, lm_rows): a pure function of two ints that the simulator asks for
+        # once per decode span and prefill iteration, mostly with values seen before (decode
+        # batch sizes; full prefill chunks). Emptied when it reaches `DENSE_MEMO` pairs.
+        self._dense_memo: dict[tuple[int, int], dict[str, float]] = {}
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -169,7 +176,17 @@ class RooflineTruth:
         return self._roofline(2.0 * rows * d_in * d_out, eff, nbytes)
 
     def _dense(self, tokens: int, lm_rows: int) -> dict[str, float]:
-        """Token-parallel work: the layers' GEMMs, element-wise kernels, all-reduces, LM head."""
+        """Token-parallel work: the layers' GEMMs, element-wise kernels, all-reduces, LM head
+        (a new dict: the callers add to it)."""
+        memo = self._dense_memo
+        done = memo.get((tokens, lm_rows))
+        if done is None:
+            if len(memo) >= DENSE_MEMO:
+                memo.clear()
+            done = memo[tokens, lm_rows] = self._dense_terms(tokens, lm_rows)
+        return dict(done)
+
+    def _dense_terms(self, tokens: int, lm_rows: int) -> dict[str, float]:
         m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
         h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
         # Column-parallel QKV and gate/up, row-parallel O and down (Megatron sharding).
