@@ -308,25 +308,16 @@ class PdDispatcher:
                 aborted = self._take_abort()
                 if aborted is None:
                     raise  # the client went away, or the router stops
-                node, reason = aborted
-                e = _UnreachableError(self.engines[node], reason)
-                if streamed or attempt == 1:
-                    raise EngineFailedError(
-                        f"engine {node} stopped answering: {reason}", node=node, unavailable=True
-                    ) from None
-                excluded.add(node)
-                log.warning("retry", request=request.request_id, down=node)
+                node, why = aborted[0], f"stopped answering: {aborted[1]}"
             except _UnreachableError as e:
+                node, why = e.engine.node, f"unreachable: {e.reason}"
                 if e.gone:
-                    self.set_state(e.engine.node, "down", e.reason)
-                if streamed or attempt == 1:
-                    raise EngineFailedError(
-                        f"engine {e.engine.node} unreachable: {e.reason}",
-                        node=e.engine.node,
-                        unavailable=True,
-                    ) from None
-                excluded.add(e.engine.node)
-                log.warning("retry", request=request.request_id, down=e.engine.node)
+                    self.set_state(node, "down", e.reason)
+            # Only failures reach here (a finished request returned above).
+            if streamed or attempt == 1:
+                raise EngineFailedError(f"engine {node} {why}", node=node, unavailable=True)
+            excluded.add(node)
+            log.warning("retry", request=request.request_id, down=node)
 
     def _take_abort(self) -> tuple[int, str] | None:
         """The abort (node, reason) behind the current task's cancellation, consumed, or None
