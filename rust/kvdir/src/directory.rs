@@ -252,38 +252,43 @@ impl Directory {
     ) -> Result<()> {
         let now = check_time(now)?;
         let place = Place::new(node, tier);
-        let mut known = std::mem::take(&mut self.scratch);
-        known.clear();
-        // One pass validates and finds the known prefix; anything unusual (an error to report,
-        // whichever it is) takes the full validation, which names the right one.
-        if let Some(parent_idx) = self.scan_chain(parent, hashes, &mut known) {
-            self.store_scanned(place, parent_idx, &known, &hashes[known.len()..], now);
-            self.scratch = known;
+        let mut slots = std::mem::take(&mut self.scratch);
+        slots.clear();
+        // One pass validates, finds the known prefix and claims slots for the new tail; anything
+        // unusual (an error to report, whichever it is) takes the full validation, which names
+        // the right one.
+        let scanned = self.scan_chain(parent, hashes, &mut slots);
+        if let Some((parent_idx, known)) = scanned {
+            self.store_scanned(place, parent_idx, &slots, known, hashes, now);
+            self.scratch = slots;
             return Ok(());
         }
-        self.scratch = known;
+        self.scratch = slots;
         self.validate_chain(parent, hashes)?;
         self.store_valid(place, hashes, parent, now, true);
         Ok(())
     }
 
-    /// The fast validation of `store`: `Some(parent's slab index)` when `hashes` is a known
-    /// prefix chained under `parent` (its indices pushed to `known`) followed by distinct unknown
-    /// hashes — exactly the chains `validate_chain` accepts, as long as it returns `Some`: a known
-    /// prefix whose parent links match is a downward path in the forest, so it repeats no hash
-    /// and not `parent`; the rest is unknown, so it repeats none of those either. `None` means
-    /// "ask `validate_chain`" (which may still accept a chain this pass did not).
+    /// The fast validation of `store`: `Some((parent's slab index, k))` when `hashes` is a known
+    /// prefix of `k` blocks chained under `parent` followed by distinct unknown hashes — exactly
+    /// the chains `validate_chain` accepts, as long as it returns `Some`: a known prefix whose
+    /// parent links match is a downward path in the forest, so it repeats no hash and not
+    /// `parent`; the rest is unknown, so it repeats none of those either. `slots` gets the slab
+    /// indices of all of `hashes`: the known prefix's, then slots claimed for the new blocks
+    /// (to `fill`). `None` means "ask `validate_chain`" (which may still accept a chain this pass
+    /// did not); the directory is then unchanged.
     fn scan_chain(
-        &self,
+        &mut self,
         parent: Option<BlockHash>,
         hashes: &[BlockHash],
-        known: &mut Vec<u32>,
-    ) -> Option<u32> {
+        slots: &mut Vec<u32>,
+    ) -> Option<(u32, usize)> {
         let parent_idx = match parent {
             Some(p) => self.blocks.find(p)?,
             None => NIL,
         };
         let mut prev = parent_idx;
+        let mut known = 0;
         for &h in hashes {
             let Some(idx) = self.blocks.find(h) else {
                 break;
@@ -291,38 +296,56 @@ impl Directory {
             if self.blocks.get(idx).parent != prev {
                 return None;
             }
-            known.push(idx);
+            slots.push(idx);
             prev = idx;
+            known += 1;
         }
-        let tail = &hashes[known.len()..];
-        if tail.iter().skip(1).any(|&h| self.blocks.find(h).is_some()) || has_repeat(tail) {
-            return None;
+        if known < hashes.len() {
+            self.blocks.reserve(hashes.len() - known);
+            for &h in &hashes[known..] {
+                let Ok(idx) = self.blocks.find_or_claim(h) else {
+                    // A known block or a repeat after a new one: give the claims back.
+                    for i in (known..slots.len()).rev() {
+                        self.blocks.unclaim(slots[i], hashes[i]);
+                    }
+                    return None;
+                };
+                slots.push(idx);
+            }
         }
-        Some(parent_idx)
+        Some((parent_idx, known))
     }
 
-    /// Stores a chain `scan_chain` accepted: `known` are the slab indices of its known prefix,
-    /// `tail` the new hashes after it.
+    /// Stores a chain `scan_chain` accepted: `slots` are the slab indices of `hashes`, the first
+    /// `known` of them known blocks, the rest claimed slots for new ones.
     fn store_scanned(
         &mut self,
         place: Place,
         parent_idx: u32,
-        known: &[u32],
-        tail: &[BlockHash],
+        slots: &[u32],
+        known: usize,
+        hashes: &[BlockHash],
         now: f64,
     ) {
-        let last = (known.len() + tail.len()).saturating_sub(1);
+        let last = hashes.len().saturating_sub(1);
         let mut ctx = self.chain_place(place);
         let mut prev = parent_idx;
-        for (i, &idx) in known.iter().enumerate() {
+        for (i, &idx) in slots[..known].iter().enumerate() {
             self.add_holder(idx, &mut ctx, now, i < last, i > 0);
             prev = idx;
         }
-        if let Some((&first, rest)) = tail.split_first() {
-            let i = known.len();
-            let idx = self.blocks.insert(first, prev);
-            self.add_holder(idx, &mut ctx, now, i < last, i > 0);
-            self.store_new_tail(place, idx, rest, now, &mut ctx);
+        if known < hashes.len() {
+            let idx = slots[known];
+            self.blocks.fill(idx, hashes[known], prev, None);
+            self.add_holder(idx, &mut ctx, now, known < last, known > 0);
+            self.store_new_tail(
+                place,
+                idx,
+                &slots[known + 1..],
+                &hashes[known + 1..],
+                now,
+                &mut ctx,
+            );
         }
         self.finish_chain(&ctx);
     }
@@ -358,7 +381,17 @@ impl Directory {
             }
         }
         if i < hashes.len() {
-            self.store_new_tail(place, prev, &hashes[i..], now, &mut ctx);
+            let rest = &hashes[i..];
+            self.blocks.reserve(rest.len());
+            let slots: Vec<u32> = rest
+                .iter()
+                .map(|&h| {
+                    self.blocks
+                        .find_or_claim(h)
+                        .unwrap_or_else(|_| unreachable!("validated: the tail is new"))
+                })
+                .collect();
+            self.store_new_tail(place, prev, &slots, rest, now, &mut ctx);
         }
         self.finish_chain(&ctx);
     }
@@ -369,6 +402,7 @@ impl Directory {
         &mut self,
         place: Place,
         mut prev: u32,
+        slots: &[u32],
         tail: &[BlockHash],
         now: f64,
         ctx: &mut ChainPlace,
@@ -376,13 +410,14 @@ impl Directory {
         if tail.is_empty() {
             return;
         }
-        for &h in tail {
+        for (&idx, &h) in slots.iter().zip(tail) {
             let parent = self.blocks.get_mut(prev);
             debug_assert_eq!(parent.holders.len(), 1);
             let ph = &mut parent.holders[0];
             ph.add_held_children(1);
             let holder = Holder::new(place, 0, now, ph.root_tier(), ph.root_node());
-            prev = self.blocks.insert_held(h, prev, holder);
+            self.blocks.fill(idx, h, prev, Some(holder));
+            prev = idx;
         }
         ctx.newly_held += tail.len() as u64;
         let key = self.key(prev, &self.blocks.get(prev).holders[0]);
@@ -578,19 +613,6 @@ impl Directory {
             memory_bytes: memory as u64,
         }
     }
-}
-
-/// Whether a hash occurs twice in `hashes` (sorting a copy: no allocation up to 256 hashes).
-fn has_repeat(hashes: &[BlockHash]) -> bool {
-    if hashes.len() <= 16 {
-        return hashes
-            .iter()
-            .enumerate()
-            .any(|(i, h)| hashes[..i].contains(h));
-    }
-    let mut sorted: smallvec::SmallVec<[BlockHash; 256]> = hashes.iter().copied().collect();
-    sorted.sort_unstable();
-    sorted.windows(2).any(|w| w[0] == w[1])
 }
 
 /// The first hash that occurs twice in `parent` + `hashes`, if any.

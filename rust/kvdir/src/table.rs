@@ -207,20 +207,98 @@ impl Blocks {
 
     /// Inserts a new block (the caller checked it is unknown) under `parent` (or `NIL`).
     pub(crate) fn insert(&mut self, hash: BlockHash, parent: u32) -> u32 {
-        self.insert_with(hash, parent, None)
-    }
-
-    /// Inserts a new block already held by `holder` (the fast path of a stored chain's new tail:
-    /// its `full_*` counts follow the holder's flags).
-    pub(crate) fn insert_held(&mut self, hash: BlockHash, parent: u32, holder: Holder) -> u32 {
-        self.insert_with(hash, parent, Some(holder))
-    }
-
-    fn insert_with(&mut self, hash: BlockHash, parent: u32, holder: Option<Holder>) -> u32 {
         // Before the block joins the slab: the rebuild re-inserts every live slab block.
         if self.index.len() == self.index.capacity() {
-            self.rebuild_index();
+            self.rebuild_index(1);
         }
+        let idx = self.alloc_slot(hash);
+        let slab = &self.slab;
+        self.index
+            .insert_unique(fold(hash), idx, |&i| fold(slab[i as usize].hash));
+        self.fill(idx, hash, parent, None);
+        idx
+    }
+
+    /// A slab slot for a new block (a freed one if any), holding `hash` but not yet live.
+    fn alloc_slot(&mut self, hash: BlockHash) -> u32 {
+        if let Some(idx) = self.free.pop() {
+            self.slab[idx as usize].hash = hash;
+            return idx;
+        }
+        let idx = u32::try_from(self.slab.len()).expect("fewer than 2^32 blocks");
+        assert!(idx != NIL, "directory is full (2^32 - 1 blocks)");
+        self.slab.push(Block {
+            hash,
+            parent: NIL,
+            depth: FREED,
+            first_child: NIL,
+            next_sibling: NIL,
+            prev_sibling: NIL,
+            refcount: 0,
+            full_node: 0,
+            full_l1: 0,
+            holders: HolderList::new(),
+        });
+        idx
+    }
+
+    /// Looks `hash` up and, if unknown, claims a slot for it in one probe of the index: `Ok(idx)`
+    /// of the claimed slot, or `Err(idx)` of the known block (a block claimed earlier counts as
+    /// known, so a repeat is found too). The caller either `fill`s every claimed slot or gives
+    /// them all back with `unclaim`, in reverse order, before anything else reads the directory.
+    ///
+    /// NOTE: this is `store`'s fast path: the look-up that checks a new block is unknown also
+    /// finds its bucket, where a separate look-up and insert probed the index twice, plus a sort
+    /// to find repeats. `reserve` must have made room first.
+    pub(crate) fn find_or_claim(&mut self, hash: BlockHash) -> Result<u32, u32> {
+        debug_assert!(self.index.capacity() > self.index.len(), "reserve first");
+        let Self { slab, index, .. } = self;
+        match index.entry(
+            fold(hash),
+            |&i| slab[i as usize].hash == hash,
+            |&i| fold(slab[i as usize].hash),
+        ) {
+            hashbrown::hash_table::Entry::Occupied(e) => Err(*e.get()),
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                // The slot's hash is written before anything probes the index again.
+                let idx = self
+                    .free
+                    .last()
+                    .copied()
+                    .unwrap_or(u32::try_from(self.slab.len()).expect("fewer than 2^32 blocks"));
+                e.insert(idx);
+                let got = self.alloc_slot(hash);
+                debug_assert_eq!(got, idx);
+                Ok(idx)
+            }
+        }
+    }
+
+    /// Gives back a slot `find_or_claim` claimed for `hash` (the last one not yet given back).
+    pub(crate) fn unclaim(&mut self, idx: u32, hash: BlockHash) {
+        let slab = &self.slab;
+        let entry = self
+            .index
+            .find_entry(fold(hash), |&i| i == idx && slab[i as usize].hash == hash)
+            .unwrap_or_else(|_| unreachable!("a claimed slot is in the index"));
+        entry.remove();
+        if idx as usize + 1 == self.slab.len() {
+            self.slab.pop();
+        } else {
+            self.free.push(idx);
+        }
+    }
+
+    /// Makes room in the index for `n` more blocks, so that `find_or_claim` never rehashes.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        if self.index.capacity() - self.index.len() < n {
+            self.rebuild_index(n);
+        }
+    }
+
+    /// Makes a claimed slot the live block `hash` under `parent` (or `NIL`), held by `holder`
+    /// if given (its `full_*` counts follow the holder's flags).
+    pub(crate) fn fill(&mut self, idx: u32, hash: BlockHash, parent: u32, holder: Option<Holder>) {
         let (depth, next_sibling) = if parent == NIL {
             (0, NIL)
         } else {
@@ -239,26 +317,15 @@ impl Blocks {
             full_l1: holder.map_or(0, |h| u32::from(h.root_tier())),
             holders: holder.map_or_else(HolderList::new, HolderList::one),
         };
-        let idx = if let Some(idx) = self.free.pop() {
-            self.slab[idx as usize] = block;
-            idx
-        } else {
-            let idx = u32::try_from(self.slab.len()).expect("fewer than 2^32 blocks");
-            assert!(idx != NIL, "directory is full (2^32 - 1 blocks)");
-            self.slab.push(block);
-            idx
-        };
+        debug_assert_eq!(self.slab[idx as usize].depth, FREED, "fill a claimed slot");
+        self.slab[idx as usize] = block;
         if parent != NIL {
             if next_sibling != NIL {
                 self.get_mut(next_sibling).prev_sibling = idx;
             }
             self.get_mut(parent).first_child = idx;
         }
-        let slab = &self.slab;
-        self.index
-            .insert_unique(fold(hash), idx, |&i| fold(slab[i as usize].hash));
         self.unheld += usize::from(holder.is_none());
-        idx
     }
 
     /// Grows the index (or clears its tombstones) before an insert would make hashbrown rehash.
@@ -267,9 +334,9 @@ impl Blocks {
     /// hashbrown's own rehash reads them in bucket order, a cache miss each (~13% of bulk
     /// `store`s into a growing directory); rebuilding from the slab reads them in slab order.
     #[cold]
-    fn rebuild_index(&mut self) {
+    fn rebuild_index(&mut self, room: usize) {
         let live = self.index.len();
-        let mut index = HashTable::with_capacity((2 * live).max(16));
+        let mut index = HashTable::with_capacity((2 * live).max(live + room).max(16));
         for (i, b) in self.slab.iter().enumerate() {
             if b.depth != FREED {
                 index.insert_unique(fold(b.hash), i as u32, |_| {

@@ -100,6 +100,41 @@ fn validation_errors_change_nothing() {
     d.check_invariants();
 }
 
+/// A chain rejected after some of its new blocks were looked at (a repeat among them, a known
+/// block after them) gives back every slot it claimed, freed slots included: nothing changes and
+/// the same blocks store normally afterwards.
+#[test]
+fn rejected_new_tails_leave_no_trace() {
+    let mut d = dir_with(&[
+        (0, Tier::L1, &[1, 2], None, 0.0),
+        (1, Tier::L1, &[20, 21, 22], None, 0.0),
+    ]);
+    d.remove(1, Tier::L1, &[22, 21, 20]); // three freed slab slots to reuse
+    let before = d.stats();
+    assert_eq!(
+        d.store(0, Tier::L1, &[3, 4, 5, 4], Some(2), 1.0),
+        Err(Error::DuplicateHash { hash: 4 })
+    );
+    assert!(matches!(
+        d.store(0, Tier::L1, &[3, 4, 1], Some(2), 1.0),
+        Err(Error::DuplicateHash { hash: 1 } | Error::ParentMismatch { hash: 1, .. })
+    ));
+    assert!(matches!(
+        d.store(2, Tier::L2, &[1, 2, 7, 8, 2], None, 1.0),
+        Err(Error::DuplicateHash { hash: 2 })
+    ));
+    assert_eq!(before, d.stats());
+    for h in [3, 4, 5, 7, 8] {
+        assert!(!d.contains(h), "{h} left behind");
+    }
+    d.check_invariants();
+    d.store(0, Tier::L1, &[3, 4, 5, 6, 7, 8], Some(2), 2.0)
+        .unwrap();
+    d.check_invariants();
+    assert_eq!(d.match_prefix(&[1, 2, 3, 4, 5, 6, 7, 8]).l1, vec![8]);
+    assert_eq!(d.len(), 8);
+}
+
 #[test]
 fn branch_versions() {
     let mut d = Directory::new();
