@@ -75,10 +75,15 @@ fmt: $(STAMP) ## format Rust and Python
 	$(VENV)/bin/ruff format python tests benches
 	$(VENV)/bin/ruff check --fix python tests benches
 
+# Sized for a 2-core machine: the engines simulate H200s (a 500k-token Claude Code prompt fits
+# one GPU's KV) 50x faster than real time, and think times run at the traces' own pace (speed
+# 1): the cluster's CPU, not the simulated GPUs, is what 200 agents of ~100k-token prompts load.
+SOAK_ARGS ?= --agents 200 --duration 600 --kill-engine-at 200 --restart-router-at 400 \
+	--speed 1 --time-scale 50 --gpu h200-sxm --request-timeout 120
+
 soak: build ## 200 agents for 10 min on a loopback cluster, an engine killed, the router restarted (not in `make test`)
 	mkdir -p out
-	$(VENV)/bin/evolving-infra soak --agents 200 --duration 600 --kill-engine-at 200 \
-		--restart-router-at 400 --log-dir out/soak-logs --json > out/soak.json
+	$(VENV)/bin/evolving-infra soak $(SOAK_ARGS) --log-dir out/soak-logs --json > out/soak.json
 	$(PY) -m json.tool out/soak.json
 
 FUZZ_SECONDS ?= 60

@@ -317,6 +317,13 @@ def parse_chat(body: Any) -> ChatRequest:
 
 
 def _token_ids(value: Sequence[object]) -> tuple[int, ...]:
+    # NOTE: a prompt is ~100k ids. Checked in C first (types, then bounds: ~8 ms per 100k ids
+    # against ~21 ms for the loop below, which runs only to name the bad id); `type(t) is int`
+    # leaves bools out, as the loop does.
+    if set(map(type, value)) == {int}:
+        ints: Sequence[int] = value  # type: ignore[assignment]  # checked just above
+        if min(ints) >= 0 and max(ints) < TOKEN_ID_LIMIT:
+            return tuple(ints)
     for t in value:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < TOKEN_ID_LIMIT:
             raise invalid(f"token ids must be integers in [0, 2^32), got {t!r}", "prompt")

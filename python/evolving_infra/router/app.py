@@ -273,6 +273,10 @@ class FrontEnd:
         arrival = self.clock()
         body = await self._read_json(request)
         req = api.parse_chat(body) if kind == "chat" else api.parse_completion(body)
+        # NOTE: a long prompt is megabytes in each form (JSON value, record, token ids): each is
+        # dropped once the next exists, so a request in flight holds its ids once, not four
+        # times (the router's memory scales with the requests in flight).
+        del body
         if self.models and req.model not in self.models:
             raise ApiError(
                 404,
@@ -284,6 +288,7 @@ class FrontEnd:
         ids, hashes = await asyncio.to_thread(self._encode, req)
         if not ids:
             raise api.invalid("the prompt is empty", "messages" if kind == "chat" else "prompt")
+        include_usage = req.include_usage
         lease = self.tracker.begin(info, hashes)
         try:
             rid = _CALL.get().request_id
@@ -291,7 +296,7 @@ class FrontEnd:
                 request_id=rid,
                 kind=kind,
                 model=req.model,
-                token_ids=tuple(ids),
+                token_ids=ids,
                 block_hashes=tuple(hashes),
                 page_size=self.page_size,
                 branch=lease.key,
@@ -301,20 +306,21 @@ class FrontEnd:
                 arrival=arrival,
                 user=req.user,
             )
+            del req, ids, hashes
             log.debug(
                 "dispatch",
                 kind=kind,
-                prompt_tokens=len(ids),
-                blocks=len(hashes),
+                prompt_tokens=len(prepared.token_ids),
+                blocks=len(prepared.block_hashes),
                 branch=str(lease.key),
                 branch_event=info.event if info else None,
             )
-            self.metrics.prompt_tokens.inc(len(ids))
+            self.metrics.prompt_tokens.inc(len(prepared.token_ids))
             events = self.dispatcher.generate(prepared)
             try:
-                if req.stream:
-                    return await self._stream(request, prepared, req, events)
-                return await self._collect(prepared, req, events)
+                if prepared.stream:
+                    return await self._stream(request, prepared, include_usage, events)
+                return await self._collect(prepared, events)
             finally:
                 await _close(events)
         finally:
@@ -325,11 +331,13 @@ class FrontEnd:
             log.info("branch ended", branch=lease.info.branch, by="event")
         self.tracker.finish(lease)
 
-    def _encode(self, req: ChatRequest | CompletionRequest) -> tuple[list[int], list[int]]:
+    def _encode(self, req: ChatRequest | CompletionRequest) -> tuple[tuple[int, ...], list[int]]:
         if isinstance(req, ChatRequest):
-            ids = encode_chat(self.tokenizer, req.messages, req.tools)
+            ids = tuple(encode_chat(self.tokenizer, req.messages, req.tools))
+        elif isinstance(req.prompt, tuple):  # token ids, already checked: kept, not copied
+            ids = req.prompt
         else:
-            ids = encode_completion(self.tokenizer, req.prompt)
+            ids = tuple(encode_completion(self.tokenizer, req.prompt))
         return ids, prompt_blocks(ids, self.page_size)
 
     def _response_id(self, prepared: PreparedRequest) -> str:
@@ -345,10 +353,7 @@ class FrontEnd:
         return Usage(len(prepared.token_ids), done.completion_tokens, done.cached_tokens)
 
     async def _collect(
-        self,
-        prepared: PreparedRequest,
-        req: ChatRequest | CompletionRequest,
-        events: AsyncIterator[GenerationEvent],
+        self, prepared: PreparedRequest, events: AsyncIterator[GenerationEvent]
     ) -> web.Response:
         parts: list[str] = []
         first: float | None = None
@@ -368,14 +373,15 @@ class FrontEnd:
         usage = self._observe(prepared, done, first)
         build = api.chat_response if prepared.kind == "chat" else api.completion_response
         rid = self._response_id(prepared)
-        body = build(rid, req.model, int(time.time()), "".join(parts), done.finish_reason, usage)
+        text = "".join(parts)
+        body = build(rid, prepared.model, int(time.time()), text, done.finish_reason, usage)
         return _json(body, headers={"X-Request-Id": prepared.request_id})
 
     async def _stream(
         self,
         request: web.Request,
         prepared: PreparedRequest,
-        req: ChatRequest | CompletionRequest,
+        include_usage: bool,
         events: AsyncIterator[GenerationEvent],
     ) -> web.StreamResponse:
         it = aiter(events)
@@ -389,10 +395,10 @@ class FrontEnd:
             raise _dispatch_error(e) from e
         chunks = api.ChunkBuilder(
             self._response_id(prepared),
-            req.model,
+            prepared.model,
             int(time.time()),
             chat=prepared.kind == "chat",
-            include_usage=req.include_usage,
+            include_usage=include_usage,
         )
         response = web.StreamResponse(
             headers={
@@ -401,7 +407,10 @@ class FrontEnd:
                 "X-Request-Id": prepared.request_id,
             }
         )
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionResetError:  # gone before the headers (aiohttp's is a subclass)
+            return self._gone(request, response)
         first = self.clock()
         try:
             if chunks.chat:
@@ -410,7 +419,7 @@ class FrontEnd:
                 if isinstance(event, Finished):
                     usage = self._observe(prepared, event, first)
                     await response.write(api.sse(chunks.finish(event.finish_reason)))
-                    if req.include_usage:
+                    if include_usage:
                         await response.write(api.sse(chunks.usage(usage)))
                     break
                 if event.text:

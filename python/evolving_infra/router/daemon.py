@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -54,9 +56,32 @@ HEALTH_TIMEOUT_S = 2.0  # an engine's Health answer; a loaded engine can take ov
 # (seconds to minutes), and an engine evicts by them only under memory pressure.
 HINTS_INTERVAL_S = 2.0
 DISCOVERY_TIMEOUT_S = 10.0
+# Forward-pass samples fed to the timing model per engine and phase, at most. An engine reports
+# every iteration: a real GPU's decode makes tens a second, a time-scaled simulated engine
+# hundreds, and each observation (a prediction, a refit every 16) runs on the event loop: at
+# --time-scale 10 they were a fifth of the router's CPU in the soak. Tens a second are plenty
+# for a fit over a 2,000-sample window, which thinning also keeps from covering mere seconds.
+MAX_SAMPLES_PER_S = 50.0
 # Health checks failed in a row before an engine counts as lost (its holdings dropped, its
 # requests pulled back): one missed check under load is not a crash.
 LOST_AFTER_FAILURES = 3
+
+
+@dataclass(slots=True)
+class SampleThinning:
+    """Lets through at most `per_s` samples a second of each engine and phase: a sample passes
+    when `1 / per_s` seconds have gone by since the last one that passed (by time, not by
+    count, so a burst is thinned and a slow engine keeps every sample)."""
+
+    per_s: float
+    _last: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def admit(self, node: int, phase: str, now: float) -> bool:
+        key = (node, phase)
+        if now - self._last.get(key, -math.inf) < 1.0 / self.per_s:
+            return False
+        self._last[key] = now
+        return True
 
 
 class RouterStartError(RuntimeError):
@@ -173,9 +198,13 @@ class RouterDaemon:
         spec = MODELS.get(found[0].info.model, LLAMA3_70B)
         loop = asyncio.get_running_loop()
 
+        thinning = SampleThinning(MAX_SAMPLES_PER_S)
+
         def on_sample(node: int, sample: Sample) -> None:
-            # Called on the ingestion thread: the model belongs to the event loop.
-            loop.call_soon_threadsafe(self._observe, node, sample)
+            # Called on the ingestion thread: the model belongs to the event loop. Thinned here,
+            # before a dropped sample costs the loop a wake-up.
+            if thinning.admit(node, sample.phase, time.monotonic()):
+                loop.call_soon_threadsafe(self._observe, node, sample)
 
         self.events = EventIngestor(self.directory)
         self.samples = SampleIngestor(on_sample)

@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import aiohttp
 import structlog
 
-from evolving_infra._core import KvDirectory
+from evolving_infra._core import KvDirectory, PrefixMatch
 from evolving_infra.planner.slices import Slices
 from evolving_infra.router.dispatcher import (
     DispatcherHealth,
@@ -57,6 +58,30 @@ ROOM_MAX = (1 << 63) - 1
 # How long a decode-side failure waits for the prefill side's answer, which says whether the
 # prefill engine was the cause (then the request is retried elsewhere).
 PREFILL_VERDICT_S = 2.0
+_JSON = {"Content-Type": "application/json"}
+
+
+@functools.cache
+def _id_texts() -> list[str]:
+    """Token ids' JSON texts, looked up rather than formatted (see `ids_json`). 2**17 entries
+    (~8 MiB) cover byte ids and 128k-token vocabularies; built on first use, not at import:
+    every CLI process imports this module."""
+    return [str(i) for i in range(1 << 17)]
+
+
+def ids_json(token_ids: Sequence[int]) -> bytes:
+    """`token_ids` as the text of a JSON array (`json.dumps(list(token_ids))` less the spaces).
+
+    A prompt is ~100k ids: `json.dumps` of the list for the prefill body and again for the
+    decode body was the router's largest CPU cost in the 200-agent soak's profile (~18 ms each
+    per 100k ids, against ~6 ms for one join of looked-up texts). NOTE: ids are non-negative, as
+    `PreparedRequest` promises (the front end checks client ids, a tokenizer makes no others):
+    a negative index would read the table from its end."""
+    if not token_ids:
+        return b"[]"
+    texts = _id_texts()
+    look = texts.__getitem__ if max(token_ids) < len(texts) else str
+    return b"[" + ",".join(map(look, token_ids)).encode() + b"]"
 
 
 @dataclass(slots=True)
@@ -248,12 +273,16 @@ class PdDispatcher:
             expected_output_tokens=max_out,
             branch=str(req.branch),
         )
+        # One match per request: the policy reads the same match as the placement below (it
+        # matched once more before, and the ingestion threads may change the directory between).
+        match = self.directory.match(route.hashes)
+        directory = cast(KvDirectory, _Matched(self.directory, route.hashes, match))
         try:
-            p = self.router.choose_prefill(route, nodes, self.directory)
-            d = self.router.choose_decode(route, nodes, self.directory)
+            p = self.router.choose_prefill(route, nodes, directory)
+            d = self.router.choose_decode(route, nodes, directory)
         except NoNodeError as e:
             raise NoEngineError(f"{e}; engines: {self._states()}") from None
-        l12 = self.directory.match(route.hashes).nodes.get(p, (0, 0))[1]
+        l12 = match.nodes.get(p, (0, 0))[1]
         t = route.prompt_tokens
         uncached = max(t - min(l12 * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)
@@ -269,9 +298,11 @@ class PdDispatcher:
             or "none"
         )
 
-    def _body(
+    def _bodies(
         self, req: PreparedRequest, place: _Placement, room: int, attempt: int
-    ) -> dict[str, Any]:
+    ) -> tuple[bytes, bytes]:
+        """The `/generate` bodies of the prefill and the decode engine, as JSON bytes: the same
+        request, streamed to the decode side only, its token ids encoded once for both."""
         s = req.sampling
         params: dict[str, Any] = {"max_new_tokens": s.max_tokens or self.default_max_tokens}
         if s.temperature is not None:
@@ -282,17 +313,18 @@ class PdDispatcher:
             params["stop"] = list(s.stop)
         if s.seed is not None:
             params["sampling_seed"] = s.seed
-        return {
+        head = {
             # A retry is a new request to the engines: the failed attempt may still be winding
             # down on one of them under the old id.
             "rid": req.request_id if attempt == 0 else f"{req.request_id}.{attempt}",
-            "input_ids": list(req.token_ids),
             "sampling_params": params,
-            "stream": True,
             "bootstrap_host": place.prefill.bootstrap_host,
             "bootstrap_port": place.prefill.bootstrap_port,
             "bootstrap_room": room,
         }
+        ids = ids_json(req.token_ids)
+        start = json.dumps(head)[:-1].encode() + b', "input_ids": ' + ids + b', "stream": '
+        return start + b"false}", start + b"true}"
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         excluded: set[int] = set()
@@ -332,7 +364,7 @@ class PdDispatcher:
         self, req: PreparedRequest, place: _Placement, attempt: int
     ) -> AsyncIterator[GenerationEvent]:
         room = self._rng.randint(0, ROOM_MAX)
-        body = self._body(req, place, room, attempt)
+        prefill_body, decode_body = self._bodies(req, place, room, attempt)
         p, d = place.prefill, place.decode
         me = asyncio.current_task()
         assert me is not None
@@ -353,9 +385,10 @@ class PdDispatcher:
 
         if self.on_dispatch is not None and attempt == 0:
             self.on_dispatch(time.monotonic() - req.arrival)
-        prefill = asyncio.create_task(self._prefill(p, {**body, "stream": False}))
+        prefill = asyncio.create_task(self._prefill(p, prefill_body))
         prefill.add_done_callback(prefill_done)
-        stream = self._decode(d, body)
+        stream = self._decode(d, decode_body)
+        del prefill_body, decode_body  # megabytes: only their requests hold them, until sent
         first: asyncio.Future[GenerationEvent] = asyncio.ensure_future(anext(stream))
         try:
             # Until the decode side streams, a failed prefill must end the request: the decode
@@ -400,16 +433,20 @@ class PdDispatcher:
             for node in {p.node, d.node}:
                 self._inflight[node].discard(me)
 
-    async def _prefill(self, engine: EngineHandle, body: Mapping[str, Any]) -> None:
-        async with self._post(engine, body) as resp:
+    async def _prefill(self, engine: EngineHandle, body: bytes) -> None:
+        post = self._post(engine, body)
+        del body  # `post` sends it and lets it go
+        async with post as resp:
             await self._check(engine, resp)
             await resp.read()
 
     async def _decode(
-        self, engine: EngineHandle, body: Mapping[str, Any]
+        self, engine: EngineHandle, body: bytes
     ) -> AsyncGenerator[GenerationEvent, None]:
         text, tokens = "", 0
-        async with self._post(engine, body) as resp:
+        post = self._post(engine, body)
+        del body  # `post` sends it and lets it go
+        async with post as resp:
             await self._check(engine, resp)
             try:
                 async for chunk in _sse(resp):
@@ -445,7 +482,7 @@ class PdDispatcher:
                 ) from None
         raise EngineFailedError(f"engine {engine.node} ended the stream early", node=engine.node)
 
-    def _post(self, engine: EngineHandle, body: Mapping[str, Any]) -> _Request:
+    def _post(self, engine: EngineHandle, body: bytes) -> _Request:
         return _Request(self.session, engine, body, self.timeout)
 
     async def _check(self, engine: EngineHandle, resp: aiohttp.ClientResponse) -> None:
@@ -467,7 +504,7 @@ class _Request:
         self,
         session: aiohttp.ClientSession,
         engine: EngineHandle,
-        body: Mapping[str, Any],
+        body: bytes,
         timeout: aiohttp.ClientTimeout,
     ) -> None:
         self.session, self.engine, self.body, self.timeout = session, engine, body, timeout
@@ -475,8 +512,9 @@ class _Request:
 
     async def __aenter__(self) -> aiohttp.ClientResponse:
         try:
+            body, self.body = self.body, b""  # sent once: not held for the whole stream
             self.resp = await self.session.post(
-                f"{self.engine.http_url}/generate", json=self.body, timeout=self.timeout
+                f"{self.engine.http_url}/generate", data=body, headers=_JSON, timeout=self.timeout
             )
         except TimeoutError as e:  # aiohttp's connection timeouts are TimeoutErrors too
             reason = str(e) or type(e).__name__
@@ -490,6 +528,20 @@ class _Request:
             self.resp.release()
 
 
+class _Matched:
+    """The directory as a policy reads it while one request is placed: the match of that
+    request's hashes taken once (any other call goes to the directory)."""
+
+    def __init__(self, directory: KvDirectory, hashes: Sequence[int], match: PrefixMatch) -> None:
+        self._directory, self._hashes, self._match = directory, hashes, match
+
+    def match(self, hashes: Sequence[int]) -> PrefixMatch:
+        return self._match if hashes is self._hashes else self._directory.match(hashes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._directory, name)
+
+
 async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
     """The JSON payloads of an SSE stream (`data: {...}` lines) up to `data: [DONE]`."""
     async for raw in resp.content:
@@ -500,8 +552,26 @@ async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         if data == b"[DONE]":
             return
         try:
-            chunk = json.loads(data)
+            chunk = json.loads(_without_output_ids(data))
         except json.JSONDecodeError:
             raise EngineFailedError(f"malformed stream chunk: {data[:200]!r}") from None
         if isinstance(chunk, dict):
             yield chunk
+
+
+_OUTPUT_IDS = b'"output_ids":['
+
+
+def _without_output_ids(data: bytes) -> bytes:
+    """A stream chunk with its `output_ids` array replaced by null, unparsed.
+
+    SGLang's stream is cumulative: every chunk repeats all the output ids so far, so parsing
+    them costs O(n^2) per request (a 4,000-token answer: ~8M ids), and the router never reads
+    them (the text and `meta_info` say everything). Cut by byte search, which is exact: the
+    key's closing quote cannot occur unescaped inside a JSON string, and the array holds only
+    numbers, so its first `]` ends it. Any other spelling (spaces) is parsed whole."""
+    i = data.find(_OUTPUT_IDS)
+    if i < 0:
+        return data
+    j = data.find(b"]", i + len(_OUTPUT_IDS))
+    return data if j < 0 else data[:i] + b'"output_ids":null' + data[j + 1 :]

@@ -9,10 +9,11 @@ router's overhead histogram.
 
 The report: requests completed, failed (with an error the client saw) and lost (neither a
 response nor an error: the figure that must be 0), errors by reason, the router overhead
-P50/P99 over all router lifetimes, memory per process (start, after warm-up, end, peak, growth
-after warm-up), and the faults with the time each was injected and how long the router was
-away. Exit status 0 when something completed and nothing was lost, 1 otherwise, 2 when the
-cluster could not start or a process died that no fault killed.
+P50/P99 over all router lifetimes (flagged when beyond the histogram's top bucket), memory per
+process (start, after warm-up, end, peak, growth after warm-up; warm-up counted from each
+process's own start) and its CPU seconds, and the faults with the time each was injected and
+how long the router was away. Exit status 0 when something completed and nothing was lost, 1
+otherwise, 2 when the cluster could not start or a process died that no fault killed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import sys
 import time
@@ -39,6 +41,7 @@ from evolving_infra.replay.command import DEFAULT_MODEL, draw
 from evolving_infra.replay.runner import Replayer, ReplaySettings
 from evolving_infra.soak import probes
 from evolving_infra.soak.report import SoakReport, render
+from evolving_infra.timing.specs import GPUS
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +51,8 @@ DESCRIPTION = (
     __doc__.split("\n", 2)[2]
     + """
 example (what `make soak` runs):
-  evolving-infra soak --agents 200 --duration 600 --kill-engine-at 200 --restart-router-at 400
+  evolving-infra soak --agents 200 --duration 600 --kill-engine-at 200 --restart-router-at 400 \
+      --speed 1 --time-scale 50 --gpu h200-sxm
 """
 )
 
@@ -72,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="engines starting as prefill (default: half, rounded up)")  # fmt: skip
     a("--time-scale", type=positive_float, default=1.0,
       help="simulated seconds per real second in the engines (default: 1)")  # fmt: skip
+    a("--gpu", choices=sorted(GPUS), default="h100-sxm",
+      help="the simulated engines' GPU kind (default: %(default)s)")  # fmt: skip
+    a("--no-pool", action="store_true",
+      help="no Mooncake master: engines keep L2 to themselves (PD hand-offs too)")  # fmt: skip
     a("--traces", type=Path, nargs="+", default=[DEFAULT_TRACES], metavar="TRACE",
       help=f"traces the agents are drawn from (default: the bundled {DEFAULT_TRACES})")  # fmt: skip
     a("--speed", type=positive_float, default=10.0,
@@ -119,9 +127,12 @@ def _cluster_args(args: argparse.Namespace) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     cluster_command.add_arguments(p)
     argv = ["up", "--engines", str(args.engines), "--router-port", str(_free_port()),
-            "--time-scale", str(args.time_scale), "--log-dir", str(args.log_dir)]  # fmt: skip
+            "--time-scale", str(args.time_scale), "--gpu", args.gpu,
+            "--log-dir", str(args.log_dir)]  # fmt: skip
     if args.prefill is not None:
         argv += ["--prefill", str(args.prefill)]
+    if args.no_pool:
+        argv.append("--no-pool")
     return p.parse_args(argv)
 
 
@@ -171,6 +182,7 @@ async def _soak(r: _Run, console: Console) -> SoakReport:
     for p in cluster.procs:
         r.watch(p.name, p.popen.pid if p.popen is not None else None)
     r.watch("mooncake-master", getattr(cluster.master, "pid", None))
+    r.watch("soak (the agents)", os.getpid())  # the load generator shares the machine
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
@@ -205,6 +217,8 @@ async def _soak(r: _Run, console: Console) -> SoakReport:
         overhead_p50_s=probes.quantile(buckets, 0.5),
         overhead_p99_s=probes.quantile(buckets, 0.99),
         overhead_count=int(max(buckets.values(), default=0.0)),
+        overhead_p50_above_top=probes.above_top(buckets, 0.5),
+        overhead_p99_above_top=probes.above_top(buckets, 0.99),
         memory=[s.summary(warm_after=args.duration / 4) for s in r.memory],
     )
 

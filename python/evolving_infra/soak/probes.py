@@ -13,6 +13,7 @@ overhead histogram.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,35 +35,66 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a live process has used, None when it is gone (`/proc/PID/stat`;
+    on a shared machine, what each part of the cluster costs, unlike wall-clock figures)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Fields after the command name, which is in parentheses and may hold spaces.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 @dataclass(slots=True)
 class MemorySeries:
-    """RSS samples of one process (one PID) as (seconds into the run, bytes)."""
+    """RSS samples of one process (one PID) as (seconds into the run, bytes), and its CPU
+    time at the last sample."""
 
     name: str
     pid: int
     samples: list[tuple[float, int]] = field(default_factory=list)
+    cpu_s: float | None = None
 
     def add(self, t: float) -> None:
         rss = rss_bytes(self.pid)
         if rss is not None:
             self.samples.append((t, rss))
+            cpu = cpu_seconds(self.pid)
+            if cpu is not None:
+                self.cpu_s = cpu
 
     def summary(self, warm_after: float) -> dict[str, object]:
-        """First, after-warm-up, last and peak RSS in MiB; growth from warm-up to the end."""
+        """First, after-warm-up, last and peak RSS in MiB, and the growth from warm-up to the end.
+
+        Warm-up is `warm_after` seconds of this series' own life (a process restarted late in
+        the run warms up from its start, not from the run's): the first sample that old is the
+        warm figure. A series that ended before has no warm figure and no growth (None), rather
+        than a growth measured from its start."""
         if not self.samples:
             return {"name": self.name, "pid": self.pid, "samples": 0}
-        first, last = self.samples[0][1], self.samples[-1][1]
-        warm = next((b for t, b in self.samples if t >= warm_after), last)
+        t0, first = self.samples[0]
+        last = self.samples[-1][1]
+        warm_at, warm = next(
+            ((t, b) for t, b in self.samples if t >= t0 + warm_after), (None, None)
+        )
         mib = 2.0**20
+        growth = None if warm is None else last - warm
         return {
             "name": self.name,
             "pid": self.pid,
             "samples": len(self.samples),
             "start_mib": round(first / mib, 1),
-            "warm_mib": round(warm / mib, 1),
+            "warm_at_s": None if warm_at is None else round(warm_at, 1),
+            "warm_mib": None if warm is None else round(warm / mib, 1),
             "end_mib": round(last / mib, 1),
             "peak_mib": round(max(b for _, b in self.samples) / mib, 1),
-            "growth_after_warmup_pct": round(100.0 * (last - warm) / warm, 1) if warm else None,
+            "cpu_s": None if self.cpu_s is None else round(self.cpu_s, 1),
+            "growth_after_warmup_mib": None if growth is None else round(growth / mib, 1),
+            "growth_after_warmup_pct": (
+                None if growth is None or not warm else round(100.0 * growth / warm, 1)
+            ),
         }
 
 
@@ -92,7 +124,8 @@ def merge(parts: Iterable[Mapping[float, float]]) -> Buckets:
 
 def quantile(buckets: Mapping[float, float], q: float) -> float | None:
     """Prometheus' `histogram_quantile(q, ...)`: None without observations; the largest finite
-    bound when the quantile falls in the +Inf bucket."""
+    bound when the quantile falls in the +Inf bucket (then `above_top` is True: the figure is
+    only a lower bound)."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be in [0, 1], got {q}")
     bounds = sorted(buckets)
@@ -110,3 +143,13 @@ def quantile(buckets: Mapping[float, float], q: float) -> float | None:
             return lower + (le - lower) * (rank - below) / (count - below)
         lower, below = le, count
     return lower
+
+
+def above_top(buckets: Mapping[float, float], q: float) -> bool:
+    """Whether the q-quantile falls beyond the largest finite bucket bound (in +Inf), where
+    `quantile` can only give that bound."""
+    finite = [le for le in buckets if not math.isinf(le)]
+    total = max(buckets.values(), default=0.0)
+    if not finite or total <= 0:
+        return False
+    return buckets[max(finite)] < q * total

@@ -18,6 +18,9 @@ class SoakReport:
     overhead_p50_s: float | None = None
     overhead_p99_s: float | None = None
     overhead_count: int = 0  # requests the router measured, over all its lifetimes
+    # The quantile fell in the histogram's +Inf bucket: the figure is its top bound, a floor.
+    overhead_p50_above_top: bool = False
+    overhead_p99_above_top: bool = False
     memory: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -43,14 +46,30 @@ class SoakReport:
             "router_overhead_p50_s": self.overhead_p50_s,
             "router_overhead_p99_s": self.overhead_p99_s,
             "router_overhead_count": self.overhead_count,
+            "router_overhead_p50_above_top_bucket": self.overhead_p50_above_top,
+            "router_overhead_p99_above_top_bucket": self.overhead_p99_above_top,
             "faults": self.faults,
             "memory": self.memory,
             "replay": s.to_dict(),
         }
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1e3 * x:.1f} ms"
+def _ms(x: float | None, above_top: bool = False) -> str:
+    """Milliseconds; `>=` when the quantile lies beyond the histogram's top bound."""
+    return "-" if x is None else f"{'>= ' if above_top else ''}{1e3 * x:.1f} ms"
+
+
+def _mib(x: object) -> str:
+    return "-" if x is None else str(x)
+
+
+def _growth(m: dict[str, Any]) -> str:
+    """`+12.3 MiB (+4.5%) since 150 s`, or `-` for a process that did not outlive warm-up."""
+    mib, pct = m.get("growth_after_warmup_mib"), m.get("growth_after_warmup_pct")
+    if mib is None:
+        return "-"
+    share = "" if pct is None else f" ({pct:+.1f}%)"
+    return f"{mib:+.1f} MiB{share} since {m.get('warm_at_s')} s"
 
 
 def render(report: SoakReport, console: Console) -> None:
@@ -64,24 +83,24 @@ def render(report: SoakReport, console: Console) -> None:
         str(s.lost),
         str(s.unissued),
         f"{s.requests_per_s:.2f}",
-        _ms(report.overhead_p50_s),
-        _ms(report.overhead_p99_s),
+        _ms(report.overhead_p50_s, report.overhead_p50_above_top),
+        _ms(report.overhead_p99_s, report.overhead_p99_above_top),
     )
     console.print(head)
     if s.errors:
         console.print("errors: " + ", ".join(f"{k} x{v}" for k, v in s.errors.items()))
     for f in report.faults:
         console.print("fault: " + ", ".join(f"{k}={v}" for k, v in f.items()))
-    mem = Table(title="soak: resident memory (MiB)")
-    cols = ("process", "start", "warm", "end", "peak", "growth after warm-up")
+    mem = Table(title="soak: resident memory (MiB) and CPU time per process")
+    cols = ("process", "start", "warm", "end", "peak", "growth after warm-up", "CPU s")
     for i, col in enumerate(cols):
         mem.add_column(col, justify="left" if i == 0 else "right")
     for m in report.memory:
-        growth = m.get("growth_after_warmup_pct")
         mem.add_row(
             str(m["name"]),
-            *(str(m.get(k, "-")) for k in ("start_mib", "warm_mib", "end_mib", "peak_mib")),
-            "-" if growth is None else f"{growth:+.1f}%",
+            *(_mib(m.get(k)) for k in ("start_mib", "warm_mib", "end_mib", "peak_mib")),
+            _growth(m),
+            _mib(m.get("cpu_s")),
         )
     console.print(mem)
     verdict = "OK: nothing lost" if report.ok else "FAILED: requests lost or none completed"

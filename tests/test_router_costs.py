@@ -1,0 +1,212 @@
+"""The router's per-request costs, found by profiling the 200-agent soak (issue 8): each shortcut
+gives exactly what the slow path gave, and the event loop stays free while a prompt is encoded.
+
+Real parts throughout: the Rust `KvDirectory`, the `evolving` policy, the aiohttp front end on
+loopback. The one stand-in is a tokenizer that holds its `encode` until the test lets it go (a
+slow tokenizer on a huge prompt), so that "the loop was free meanwhile" is checked without timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+
+import pytest
+
+from evolving_infra import KvDirectory
+from evolving_infra._core import PrefixMatch
+from evolving_infra.router import api
+from evolving_infra.router.daemon import SampleThinning
+from evolving_infra.router.dispatcher import PreparedRequest
+from evolving_infra.router.pd import (
+    EngineHandle,
+    PdDispatcher,
+    _without_output_ids,
+    ids_json,
+)
+from evolving_infra.routing.base import Phase
+from evolving_infra.routing.evolving import EvolvingRouter
+from evolving_infra.timing.model import IterationModel
+from router_helpers import PAGE, Router, run_router
+
+# -- the engine body's token ids ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[], [0], [255, 0, 17], list(range(300)), [2**17 - 1, 2**17, 2**32 - 1, 5]],
+    ids=["empty", "zero", "bytes", "range", "past-the-table"],
+)
+def test_ids_json_is_the_json_array_of_the_ids(ids: list[int]) -> None:
+    assert json.loads(ids_json(ids)) == ids
+    assert ids_json(ids) == json.dumps(ids, separators=(",", ":")).encode()
+    assert ids_json(tuple(ids)) == ids_json(ids)
+
+
+def test_ids_json_of_a_random_100k_token_prompt() -> None:
+    rng = random.Random(8)
+    ids = [rng.randrange(2**18) for _ in range(100_000)]  # mixes table and formatted ids
+    assert json.loads(ids_json(ids)) == ids
+
+
+# -- stream chunks ------------------------------------------------------------------------------
+
+
+def _chunk(text: str, n: int, done: bool = False) -> bytes:
+    meta = {
+        "id": "r",
+        "completion_tokens": n,
+        "finish_reason": {"type": "length"} if done else None,
+    }
+    body = {"text": text, "output_ids": list(range(n)), "meta_info": meta}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _chunk("hello", 3),
+        _chunk('a "output_ids":[1,2] ] in the text', 40, done=True),
+        _chunk("", 0),
+        b'{"meta_info":{"completion_tokens":2},"output_ids":[7,8],"text":"ab"}',  # other order
+        b'{"text":"x","output_ids": [1, 2],"meta_info":{}}',  # spaced: parsed whole
+        b'{"error":{"message":"boom"}}',
+    ],
+)
+def test_stream_chunks_parse_the_same_without_their_output_ids(data: bytes) -> None:
+    whole, cut = json.loads(data), json.loads(_without_output_ids(data))
+    assert {k: v for k, v in whole.items() if k != "output_ids"} == {
+        k: v for k, v in cut.items() if k != "output_ids"
+    }
+    assert cut.get("output_ids") in (None, whole.get("output_ids"))
+
+
+def test_a_long_cumulative_chunk_is_cut_before_parsing() -> None:
+    data = _chunk("t" * 4000, 4000)
+    cut = _without_output_ids(data)
+    assert len(cut) < len(data) // 4
+    assert json.loads(cut)["meta_info"]["completion_tokens"] == 4000
+
+
+# -- token-id prompts ---------------------------------------------------------------------------
+
+
+def test_token_id_prompts_are_checked_as_before() -> None:
+    ok = api.parse_completion({"model": "m", "prompt": [0, 5, 2**32 - 1]})
+    assert ok.prompt == (0, 5, 2**32 - 1)
+    for bad in (True, 1.0, -1, 2**32, "7", None):
+        with pytest.raises(api.ApiError, match=r"token ids must be integers in \[0, 2\^32\)") as e:
+            api.parse_completion({"model": "m", "prompt": [1, 2, bad]})
+        assert e.value.status == 400
+        assert e.value.param == "prompt"
+        assert repr(bad) in e.value.message
+
+
+# -- one directory match per request -------------------------------------------------------------
+
+
+class _CountingDirectory:
+    """The real directory, counting `match` calls (the policy and the placement both read it)."""
+
+    def __init__(self, directory: KvDirectory) -> None:
+        self.directory, self.matches = directory, 0
+
+    def match(self, hashes: Sequence[int]) -> PrefixMatch:
+        self.matches += 1
+        return self.directory.match(hashes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.directory, name)
+
+
+def _dispatcher(directory: Any) -> PdDispatcher:
+    phases: tuple[Phase, ...] = ("prefill", "prefill", "decode")
+    engines = [
+        EngineHandle(n, f"http://127.0.0.1:{9000 + n}", phase, "127.0.0.1", 9000 + n, 4096)
+        for n, phase in enumerate(phases)
+    ]
+    model = IterationModel()
+    router = EvolvingRouter(model, block_size=PAGE, kv_bytes_per_token=1024)
+    session: Any = None  # placement sends nothing
+    return PdDispatcher(engines, directory, router, model, page_size=PAGE, session=session)
+
+
+def _request(ids: list[int]) -> PreparedRequest:
+    from evolving_infra import block_hashes
+
+    hashes = tuple(block_hashes(ids, PAGE))
+    return PreparedRequest(
+        request_id="r", kind="completion", model="m", token_ids=tuple(ids), block_hashes=hashes,
+        page_size=PAGE, branch=0, branch_info=None, sampling=api.SamplingParams(max_tokens=8),
+        stream=True, arrival=0.0,
+    )  # fmt: skip
+
+
+def test_a_request_is_matched_against_the_directory_once_and_placed_as_before() -> None:
+    real = KvDirectory()
+    ids = list(range(256)) * 16  # 4,096 tokens, 1,024 blocks
+    req = _request(ids)
+    real.store(1, "L1", list(req.block_hashes[:1000]))  # node 1 holds nearly all of it
+    counting = _CountingDirectory(real)
+    place = _dispatcher(cast(KvDirectory, counting))._place(req, set())
+    assert counting.matches == 1
+    # What the policy chooses reading the directory itself, and the same cached prefix.
+    again = _dispatcher(real)._place(req, set())
+    assert (place.prefill.node, place.decode.node) == (again.prefill.node, again.decode.node)
+    assert (place.uncached, place.prefill_s) == (again.uncached, again.prefill_s)
+    assert place.prefill.node == 1
+    assert place.uncached == len(ids) - 1000 * PAGE
+
+
+# -- samples ------------------------------------------------------------------------------------
+
+
+def test_sample_thinning_keeps_a_slow_engine_and_caps_a_fast_one() -> None:
+    thin = SampleThinning(per_s=64.0)  # binary fractions below: exact time arithmetic
+    slow = [thin.admit(0, "decode", t / 32) for t in range(100)]  # 32 a second
+    assert all(slow)
+    fast = sum(thin.admit(1, "decode", 10.0 + t / 512) for t in range(1024))  # 512 a second
+    assert fast == 128  # two seconds at 64 a second
+    assert thin.admit(1, "prefill", 10.0)  # per phase
+    assert thin.admit(2, "decode", 10.0)  # per engine
+
+
+# -- the event loop while a prompt is encoded ------------------------------------------------------
+
+
+class _HeldTokenizer:
+    """Encodes as UTF-8 bytes once `go` is set (or after 20 s): a slow tokenizer on a long
+    prompt. `started` is set when an encode begins."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.started.set()
+        self.go.wait(20.0)
+        return list(text.encode())
+
+
+def test_the_event_loop_serves_other_requests_while_a_prompt_is_encoded() -> None:
+    tokenizer = _HeldTokenizer()
+
+    async def test(r: Router) -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x" * 100_000}]}
+        chat = asyncio.create_task(r.client.post("/v1/chat/completions", json=body))
+        assert await asyncio.to_thread(tokenizer.started.wait, 10.0)
+        # Encoding is under way (and held): the loop still answers, well before the 20 s hold.
+        health = await asyncio.wait_for(r.client.get("/health"), 5.0)
+        assert health.status == 200
+        assert not chat.done()
+        tokenizer.go.set()
+        resp = await asyncio.wait_for(chat, 30.0)
+        assert resp.status == 200
+        assert len(r.dispatcher.seen[0].token_ids) > 100_000
+
+    run_router(test, tokenizer=tokenizer)
