@@ -104,6 +104,32 @@ def test_decode_without_a_prefill_fails_and_releases_its_kv() -> None:
     asyncio.run(main())
 
 
+def test_prefill_waits_for_its_decode_side_to_claim_the_room() -> None:
+    """A PD prefill runs only once its decode engine has reserved room and polls for the KV
+    (SGLang's bootstrap handshake). Prefilling first let prefill pins and decode reservations
+    fill both engines while each waited on the other: 200 agents deadlocked a soak."""
+
+    async def main() -> None:
+        async with (
+            running(settings(node_id=0, phase="prefill", kv_hold_real_s=5.0)) as p,
+            running(settings(node_id=1, phase="decode", kv_hold_real_s=5.0)) as d,
+        ):
+            body = pd_body(prompt(5, 20), 4, p.port, room=31)
+            pre = asyncio.create_task(p.post("/generate", body))
+            await asyncio.sleep(0.3)
+            # No decode side yet: nothing prefilled, nothing pinned, the request still waits.
+            assert not pre.done()
+            assert p.engine.kv.pinned == 0
+            assert not p.engine.node.queue and not p.engine.node.running
+            status_d, out_d = await d.post("/generate", body)
+            status_p, _ = await pre
+            assert (status_p, status_d) == (200, 200), out_d
+            assert len(out_d["output_ids"]) == 4
+            assert p.engine.kv.pinned == 0
+
+    asyncio.run(main())
+
+
 def test_engine_command_help() -> None:
     out = subprocess.run(
         [sys.executable, "-c", RUN_COMMAND, "--help"], capture_output=True, text=True, timeout=60

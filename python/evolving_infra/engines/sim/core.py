@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -109,6 +109,10 @@ class _Room:
     ready: asyncio.Future[dict[str, Any]]
     live: LiveRequest | None = None
     hold: asyncio.TimerHandle | None = None
+    # Set when the decode side polls for the room: it has reserved the KV (SGLang's bootstrap
+    # handshake), and only then does the prefill run, so prefill pins never wait on a decode
+    # engine that has no room for them (the two filled each other up: a PD deadlock).
+    claimed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class EngineCore:
@@ -254,11 +258,37 @@ class EngineCore:
         if mode == "decode":
             if node.offer(sim, now):
                 self.start_transfer(sim)
+        elif room is not None:
+            live.task = self.loop.create_task(self._enqueue_when_claimed(live, room))
         elif self.pool is not None and self.pool.up and hashes:
             live.task = self.loop.create_task(self._enqueue_after_pool(live))
         else:
             node.enqueue(sim, now)
         return live
+
+    async def _enqueue_when_claimed(self, live: LiveRequest, room: _Room) -> None:
+        """A PD prefill is queued once its decode side has claimed the room (reserved its KV);
+        one never claimed within the KV hold fails as an unpulled prefill would (504)."""
+        try:
+            await asyncio.wait_for(room.claimed.wait(), self.settings.kv_hold_real_s)
+        except TimeoutError:
+            error = GenerateError(
+                f"room {live.bootstrap.room if live.bootstrap else '?'}:"
+                " no decode engine claimed it in time",
+                504,
+            )
+            self._fail_room(live, error)
+            self._done(live, error)
+            return
+        if self._by_sim.get(live.sim.id) is not live:
+            return
+        if not self.node.accepting:
+            self._hand_back(live)
+            return
+        if self.pool is not None and self.pool.up and live.sim.hashes:
+            await self._enqueue_after_pool(live)
+        else:
+            self.node.enqueue(live.sim, self.env.now)
 
     async def _enqueue_after_pool(self, live: LiveRequest) -> None:
         """Queues a prefill once the prompt's blocks past this node's L1/L2 are looked up, and
@@ -302,6 +332,7 @@ class EngineCore:
         if self.node.phase != "prefill" and room_id not in self._rooms:
             raise BadRequestError(f"engine {self.settings.node_id} is not a prefill engine")
         room = self._rooms.setdefault(room_id, _Room(self.loop.create_future()))
+        room.claimed.set()
         try:
             return await asyncio.wait_for(asyncio.shield(room.ready), timeout_real_s)
         except TimeoutError:

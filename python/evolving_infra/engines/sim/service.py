@@ -83,6 +83,11 @@ class SimEngine(EngineCore, EngineControlService):
                 live = self._by_sim.get(sim.id)
                 if live is not None:
                     self._hand_back(live)
+            for room in list(self._rooms.values()):  # prefills their decode side never claimed
+                waiting = room.live
+                if waiting is not None and not room.claimed.is_set() and waiting.task is not None:
+                    waiting.task.cancel()
+                    self._hand_back(waiting)
             timeout = (request.drain_timeout_s / scale) or s.drain_timeout_real_s
             deadline = started + timeout
             while self._live or not node.drained():
