@@ -8,8 +8,8 @@ one policy on the Claude-Code-like generator.
 - `--profile N`: the time per part (the native directory's calls by method, prompt hashing,
   routing, the nodes, ...; cProfile's own time) and the N functions with the most own time;
 - `--directory-calls`: the directory's calls by method, the blocks each takes, their time;
-- `--trace-cache DIR`: keeps generated traces as pickles (generating the 3,072-GPU scenario's
-  8,533 agents takes ~10 minutes, loading them ~2).
+- `--trace-cache DIR`: keeps generated traces as pickles (the 3,072-GPU scenario's 8,533 agents
+  for 120 s: ~1.5 minutes to generate, 0.8 GB on disk, ~1 minute to load).
 
 Nothing is asserted: it prints figures. The scale scenarios' agents: `sim/scenarios.py`
 (`MID_AGENTS_PER_GPU`, 2.78 per GPU: 100 on 36 GPUs, 711 on 256, 8,533 on 3,072).

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 
 from evolving_infra.planner.base import Split
+from evolving_infra.planner.slices import Slices
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.planning import node_samples, sample_nodes
 from evolving_infra.sim.policies import PolicySpec, policy, static
 from evolving_infra.sim.run import BEST_STATIC, compare
 from evolving_infra.workloads.generators import SlotPlan, generate
@@ -73,6 +75,10 @@ def test_conservation_and_kv_capacity(name: str) -> None:
             assert 0 <= kv.pinned <= kv.l1_held + kv.reserved
             assert kv.l1_held + kv.reserved <= kv.l1_capacity, n.id
             assert kv.l2_held <= kv.l2_capacity
+            # The counts kept incrementally are the ones a full recount gives.
+            assert kv.l1_held == cluster.directory.held(n.id, "L1")
+            assert kv.l2_held == cluster.directory.held(n.id, "L2")
+            assert n.batch_context == sum(r.context for r in n.batch)
 
     cluster.run(check=check)
     m = cluster.metrics
@@ -166,3 +172,18 @@ def test_oversized_requests_are_rejected_not_lost() -> None:
     m = cluster.metrics
     assert m.rejected > 0
     assert m.issued == m.completed + m.rejected + len(in_system(cluster))
+
+
+def test_sampling_without_node_samples_adds_the_same_sums() -> None:
+    trace = cc_trace(agents=6, duration=300, seed=7)
+    cluster = Cluster(trace, tight(duration=200, seed=3), policy("evolving", 4))
+    a, b = Slices(600.0), Slices(600.0)
+
+    def check() -> None:
+        a.sample(node_samples(cluster.nodes))
+        sample_nodes(b, cluster.nodes)
+
+    cluster.run(check=check)
+    assert a.samples > 0
+    assert a.context_sum > 0
+    assert vars(a) == vars(b)  # every sum equal, to the last bit

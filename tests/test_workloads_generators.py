@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import pickle
 import random
 import statistics
 from collections.abc import Callable, Iterator
@@ -14,7 +15,9 @@ import pytest
 from evolving_infra.workloads import (
     BLOCK_SIZE,
     Agent,
+    AgentId,
     BlockHash,
+    BlockIds,
     Branch,
     BranchKind,
     PromptHasher,
@@ -26,7 +29,7 @@ from evolving_infra.workloads import (
 )
 from evolving_infra.workloads.blocks import common_prefix
 from evolving_infra.workloads.generators import SlotPlan, osworld, putnam, shift
-from evolving_infra.workloads.generators.common import LogNormal
+from evolving_infra.workloads.generators.common import AgentBuilder, LogNormal
 from evolving_infra.workloads.timeline import trace_timeline
 
 Generate = Callable[[SlotPlan], Trace]
@@ -323,3 +326,39 @@ def test_shift_step_switches_at_step_at() -> None:
 def test_shift_rejects_bad_mixes(params: shift.Params) -> None:
     with pytest.raises(ValueError, match=r"."):
         shift.generate(SMALL, params)
+
+
+def test_requests_are_views_of_one_array_per_context() -> None:
+    """The builder's requests share their branch's ids (`BlockIds`) and behave as tuples."""
+    b = AgentBuilder(AgentId("a"), "test", block_size=4)
+    main = b.root()
+    main.request(0.0, 9, 4)  # 2 blocks, then 3 once the response is in
+    main.request(0.0, 8, 4)  # 5 blocks, then 6
+    fork = b.fork(main, after=0)
+    main.compact(keep_tokens=4, summary_tokens=8)  # keeps 1 block, then 2 fresh ones
+    main.request(0.0, 0, 1)
+    fork.request(0.0, 4, 1)
+    agent = b.build()
+    got = {br.id: [r.blocks for r in br.requests] for br in agent.branches}
+    assert got == {"main": [(1, 2), (1, 2, 3, 4, 5), (1, 7, 8)], "main/f1": [(1, 2, 3, 9)]}
+    r0, r1, r2 = agent.root.requests
+    assert isinstance(r0.blocks, BlockIds)
+    assert isinstance(r1.blocks, BlockIds)
+    assert r0.blocks.shares_base(r1.blocks)  # one array for the prompts before the compaction
+    assert not r1.blocks.shares_base(r2.blocks)
+    assert common_prefix(r0.blocks, r1.blocks) == 2
+    assert common_prefix(r1.blocks, r2.blocks) == 1
+    assert r1.blocks[1:3] == (2, 3)
+    assert r1.blocks[-1] == 5
+    assert list(r1.blocks) == [1, 2, 3, 4, 5]
+    assert hash(r1.blocks) == hash((1, 2, 3, 4, 5))
+    assert r1.blocks != [1, 2, 3, 4, 5]  # as a tuple: never equal to a list
+    with pytest.raises(IndexError):
+        r1.blocks[5]
+    # Pickled, the views keep sharing one array.
+    a2 = pickle.loads(pickle.dumps(agent))
+    s0, s1, _ = a2.root.requests
+    assert s0.blocks == r0.blocks
+    assert s1.blocks == r1.blocks
+    assert isinstance(s0.blocks, BlockIds)
+    assert s0.blocks.shares_base(s1.blocks)

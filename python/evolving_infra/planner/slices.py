@@ -59,15 +59,34 @@ class Slices:
     def sample(self, nodes: Sequence[NodeSample]) -> None:
         decode = [n for n in nodes if n.phase == "decode"]
         prefill = [n for n in nodes if n.phase == "prefill"]
+        self.add_sample(
+            len(decode),
+            sum(n.decoding for n in decode),
+            sum(n.context_tokens for n in decode),
+            sum(n.kv_used for n in decode),
+            len(prefill),
+            sum(max(n.queued_prefill_s, 0.0) for n in prefill),
+        )
+
+    def add_sample(
+        self,
+        decode_nodes: int,
+        decoding: int,
+        context_tokens: int,
+        kv_used: float,
+        prefill_nodes: int,
+        queued_prefill_s: float,
+    ) -> None:
+        """`sample` from the sums over the nodes (each sum in node order, as `sample` adds
+        them), for a caller that has them without building a `NodeSample` per node."""
         self.samples += 1
-        if decode:
-            b = sum(n.decoding for n in decode)
-            self.decoding_sum += b
-            self.batch_sum += b / len(decode)
-            self.context_sum += sum(n.context_tokens for n in decode)
-            self.kv_sum += sum(n.kv_used for n in decode) / len(decode)
-        if prefill:
-            self.queue_sum += sum(max(n.queued_prefill_s, 0.0) for n in prefill) / len(prefill)
+        if decode_nodes:
+            self.decoding_sum += decoding
+            self.batch_sum += decoding / decode_nodes
+            self.context_sum += context_tokens
+            self.kv_sum += kv_used / decode_nodes
+        if prefill_nodes:
+            self.queue_sum += queued_prefill_s / prefill_nodes
 
     def close(self, now: float) -> SliceStats:
         k = max(self.samples, 1)

@@ -33,7 +33,7 @@ from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.kv import BlockParents, NodeKv
 from evolving_infra.sim.metrics import Recorder
 from evolving_infra.sim.node import Node, NodeSettings, blocks_for
-from evolving_infra.sim.planning import Switcher, node_samples
+from evolving_infra.sim.planning import Switcher, sample_nodes
 from evolving_infra.sim.policies import PolicyContext, PolicySpec
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.truth import RooflineTruth
@@ -190,7 +190,7 @@ class Cluster:
         return self.config.duration is None and self.outstanding == 0
 
     def _sample_tick(self, _: object) -> None:
-        self.slices.sample(node_samples(self.nodes))
+        sample_nodes(self.slices, self.nodes)
         if self._progress is not None:
             self._progress(self.now)
         if not self._idle():

@@ -3,7 +3,7 @@
 L1 (GPU) holds the cache and the KV of running requests; the directory is the record of the
 cache, and this class keeps the counts the directory cannot give per node:
 - `l1_held`, `l2_held`: blocks the directory says the node holds per tier, tracked exactly from
-  the directory's own `locations_l1/l2` counters around each store, and from what `evict`
+  the directory's count of them (`held`, O(1)) around each store, and from what `evict`
   returns;
 - `reserved`: blocks running requests take beyond what is in the directory (tokens still being
   prefilled or decoded, a partial last page, fetches in flight);
@@ -61,35 +61,53 @@ class BlockParents:
     """Where every block ever stored sits in a chain: demoting an evicted run to L2 needs the
     run's parent and where the run ends.
 
-    Each block maps to (a chain holding it, its index there), the chain kept as an int64 array.
-    A block's prefix is the same in every chain that holds it (its hash fixes the prefix), so
-    any such chain will do. Evictions come back leaf first, so reversed they are stretches of
-    registered chains: one dictionary look-up per stretch and a vectorised comparison find each
-    stretch, where a look-up per block (hundreds of thousands per simulated minute, each a
-    cache miss in a dictionary of millions) was the simulator's hottest spot.
+    A chain is registered as it grows (a prompt, then its response, then the next prompt...),
+    and each registration keeps only the blocks not seen before, in a *segment*: a list of
+    blocks, the first one's parent being the segment's `up` (None: a first page). New blocks
+    that continue a segment's last block extend it (a branch's turns make one segment until a
+    fork or a compaction), others start a segment. Each block maps to (its segment, its index
+    there). A block's prefix is the same in every chain that holds it (its hash fixes the
+    prefix), so the segments form a tree and a block's path from the first page is its
+    segment's prefix after its ancestors' paths. Evictions come back leaf first, so reversed
+    they are stretches of those paths: one dictionary look-up per stretch, and one C-level list
+    comparison per segment it crosses, find each stretch, where a look-up per block (hundreds
+    of thousands per simulated minute, each a cache miss in a dictionary of millions) was the
+    simulator's hottest spot.
 
-    NOTE: a block maps to one int, `chain number << INDEX_BITS | index`, rather than to a tuple:
-    inserting millions of tuples took three times as long and twice the memory. `pos` shows the
-    same map as `(chain, index)` pairs, for readers.
+    NOTE: segments rather than every registered chain whole: a request registers its prompt and
+    then prompt + response, so keeping whole chains held the trace's prompts twice over (8 bytes
+    a block per registration: gigabytes at 3,072 GPUs) and converted each to an array. A block
+    maps to one int, `segment number << INDEX_BITS | index`, rather than to a tuple: inserting
+    millions of tuples took three times as long and twice the memory. `pos` shows a block's
+    path as `(chain, index)` pairs, for readers.
     """
 
-    INDEX_BITS = 24  # chains up to 16M blocks
+    INDEX_BITS = 24  # segments up to 16M blocks
     _MASK = (1 << INDEX_BITS) - 1
 
     def __init__(self) -> None:
         self._at: dict[int, int] = {}
-        self._chains: list[IntArray] = []
+        self._segments: list[list[int]] = []
+        self._up: list[int | None] = []  # the parent of each segment's first block
         self.pos = ChainPositions(self)
 
     def __contains__(self, h: int) -> bool:
         return h in self._at
 
     def at(self, h: int) -> tuple[IntArray, int] | None:
-        """(a chain holding `h`, its index there), or None for a block never registered."""
+        """(the path from the first page to `h`, `h`'s index there), or None for a block never
+        registered."""
         ref = self._at.get(h)
         if ref is None:
             return None
-        return self._chains[ref >> self.INDEX_BITS], ref & self._MASK
+        parts: list[list[int]] = []
+        while ref is not None:
+            s, j = ref >> self.INDEX_BITS, ref & self._MASK
+            parts.append(self._segments[s][: j + 1])
+            up = self._up[s]
+            ref = None if up is None else self._at[up]
+        path = np.array([x for part in reversed(parts) for x in part], dtype=np.int64)
+        return path, len(path) - 1
 
     def register(self, chain: Sequence[int]) -> None:
         """Records a chain from a first page (chains are prefix-closed: the known blocks are a
@@ -102,22 +120,36 @@ class BlockParents:
                 lo = mid + 1
             else:
                 hi = mid
-        if lo < len(chain):
-            assert len(chain) <= self._MASK, "a chain longer than INDEX_BITS can index"
-            base = len(self._chains) << self.INDEX_BITS
-            self._chains.append(np.array(chain, dtype=np.int64))
-            at.update(zip(chain[lo:], range(base + lo, base + len(chain)), strict=True))
+        if lo == len(chain):
+            return
+        new = chain[lo:]
+        up = chain[lo - 1] if lo else None
+        ref = at[up] if up is not None else -1
+        segments = self._segments
+        if ref >= 0 and (ref & self._MASK) == len(segments[ref >> self.INDEX_BITS]) - 1:
+            # The chain goes on from a segment's last block (a branch's next turn): extend it,
+            # so that a branch's path is one long segment rather than one per turn.
+            s = ref >> self.INDEX_BITS
+            start = len(segments[s])
+            segments[s].extend(new)
+        else:
+            s, start = len(segments), 0
+            segments.append(list(new))
+            self._up.append(up)
+        assert start + len(new) <= self._MASK, "a segment longer than INDEX_BITS can index"
+        base = (s << self.INDEX_BITS) + start
+        at.update(zip(new, range(base, base + len(new)), strict=True))
 
     def runs(self, blocks: list[int]) -> list[tuple[int, int, int | None]]:
         """`blocks` (each after its parent, if that is among them) cut into parent-child runs:
         (start, end, parent of the first), in order. Unregistered blocks are left out.
 
-        Matched from the end: the last block of a run is the deepest, and any chain holding it
-        holds its whole path from the first page, so one comparison against that chain finds
-        the whole run, however many turns registered its blocks.
+        Matched from the end: the last block of a run is the deepest, and its path from the
+        first page holds the whole run, however many registrations made its blocks: the run
+        is the longest stretch of `blocks` ending there that equals a stretch of that path.
         """
-        at, chains, bits, mask = self._at, self._chains, self.INDEX_BITS, self._MASK
-        ev = np.array(blocks, dtype=np.int64)
+        at, segments, ups = self._at, self._segments, self._up
+        bits, mask = self.INDEX_BITS, self._MASK
         out: list[tuple[int, int, int | None]] = []
         hi = len(blocks)
         while hi > 0:
@@ -125,20 +157,48 @@ class BlockParents:
             if ref is None:
                 hi -= 1
                 continue
-            arr, j = chains[ref >> bits], ref & mask
-            span = min(hi, j + 1)
-            diff = ev[hi - span : hi] != arr[j + 1 - span : j + 1]
-            # The run starts after the last mismatch (the block before it is not its parent).
-            lo = hi - span + (span - int(diff[::-1].argmax()) if diff.any() else 0)
-            first = j - (hi - lo) + 1  # index of the run's first block in `arr`
-            out.append((lo, hi, int(arr[first - 1]) if first else None))
+            s, j = ref >> bits, ref & mask  # blocks[lo - 1] is expected at segments[s][j]
+            lo = hi
+            while True:
+                seg = segments[s]
+                span = min(lo, j + 1)
+                if blocks[lo - span : lo] == seg[j + 1 - span : j + 1]:
+                    matched = span
+                else:
+                    # The longest matching suffix (the suffixes of a match match too): galloping
+                    # up from one block, then bisecting, costs about the run's length, where the
+                    # segment may hold thousands of blocks before it.
+                    matched, bad, g = 0, span, 1
+                    while g < bad:
+                        if blocks[lo - g : lo] != seg[j + 1 - g : j + 1]:
+                            bad = g
+                            break
+                        matched, g = g, 2 * g
+                    while bad - matched > 1:
+                        mid = (matched + bad) // 2
+                        if blocks[lo - mid : lo] == seg[j + 1 - mid : j + 1]:
+                            matched = mid
+                        else:
+                            bad = mid
+                lo -= matched
+                k = j - matched  # where the run's parent is in `seg` (-1: before it)
+                if k >= 0:
+                    parent: int | None = seg[k]
+                    break
+                parent = ups[s]
+                if parent is None or lo == 0:
+                    break
+                ref = at[parent]  # the whole segment matched: go on in its parent's
+                s, j = ref >> bits, ref & mask
+            out.append((lo, hi, parent))
             hi = lo
         out.reverse()
         return out
 
 
 class ChainPositions(Mapping[int, tuple[IntArray, int]]):
-    """`BlockParents`' map as `block -> (a chain holding it, its index there)` (read-only)."""
+    """`BlockParents`' map as `block -> (its path from the first page, its index there)`
+    (read-only)."""
 
     def __init__(self, parents: BlockParents) -> None:
         self._parents = parents
@@ -223,10 +283,12 @@ class NodeKv:
         newly held (some may be held already). The caller converts its reservation."""
         if not chain:
             return 0
-        d = self.directory
-        before = d.stats()["locations_l1"]
-        d.store(self.node, "L1", chain, parent, now)
-        new = d.stats()["locations_l1"] - before
+        d, node = self.directory, self.node
+        # NOTE: `held` is O(1); two `stats()` per store (which walks every place and branch)
+        # were a quarter of the directory's time at 3,072 GPUs.
+        before = d.held(node, "L1")
+        d.store(node, "L1", chain, parent, now)
+        new = d.held(node, "L1") - before
         self.l1_held += new
         if new and self.listener is not None:
             # L1 is prefix-closed (eviction takes leaves), so the blocks held already are a
@@ -283,16 +345,16 @@ class NodeKv:
         # parent-child blocks are valid chains even though the directory may already have
         # dropped the evicted blocks nothing else refers to.
         evicted.reverse()
-        d = self.directory
-        before = d.stats()["locations_l2"]
+        d, node = self.directory, self.node
+        before = d.held(node, "L2")
         for lo, hi, first in self.parents.runs(evicted):
             # A run whose parent is gone from every tier could never be matched again
             # (matching walks from the first page): dropping it loses nothing.
             if first is None or first in d:
-                d.store(self.node, "L2", evicted[lo:hi], first, now)
+                d.store(node, "L2", evicted[lo:hi], first, now)
                 if self.listener is not None:
                     self.listener.stored("L2", evicted[lo:hi], first)
-        new = d.stats()["locations_l2"] - before
+        new = d.held(node, "L2") - before
         self.l2_held += new
         self.demoted += new
         over = self.l2_held - self.l2_capacity

@@ -18,9 +18,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from evolving_infra.planner.base import Planner, Split, SwitchMode
-from evolving_infra.planner.slices import NodeSample
+from evolving_infra.planner.slices import NodeSample, Slices
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.node import Node
+
+
+def sample_nodes(slices: Slices, nodes: Sequence[Node]) -> None:
+    """`slices.sample(node_samples(nodes))` without a `NodeSample` per node (768 nodes every
+    simulated second at 3,072 GPUs): the same sums, in the same order."""
+    decode = decoding = context = prefill = 0
+    kv_used = queued = 0.0
+    for n in nodes:
+        if n.state == "down":
+            continue
+        if n.phase == "decode":
+            kv = n.kv
+            decode += 1
+            decoding += len(n.batch)
+            context += n.batch_context
+            kv_used += min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity
+        else:
+            prefill += 1
+            queued += max(n.queued_s, 0.0)
+    slices.add_sample(decode, decoding, context, kv_used, prefill, queued)
 
 
 def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
@@ -35,7 +55,7 @@ def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
                 phase=n.phase,
                 queued_prefill_s=n.queued_s,
                 decoding=len(n.batch),
-                context_tokens=sum(r.context for r in n.batch),
+                context_tokens=n.batch_context,
                 kv_used=min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity,
             )
         )

@@ -17,7 +17,16 @@ import hashlib
 from collections.abc import Sequence
 from typing import NewType, cast
 
-from evolving_infra.workloads.model import Agent, AgentId, BlockId, Branch, BranchId, Request, Trace
+from evolving_infra.workloads.model import (
+    Agent,
+    AgentId,
+    BlockIds,
+    Blocks,
+    Branch,
+    BranchId,
+    Request,
+    Trace,
+)
 
 BlockHash = NewType("BlockHash", int)
 
@@ -66,6 +75,8 @@ def chain_hashes(
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
+    if isinstance(a, BlockIds) and a.shares_base(b):
+        return n  # views of one array: the shorter is a prefix of the longer
     if a[:n] == b[:n]:
         return n
     lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
@@ -88,9 +99,7 @@ class PromptHasher:
     def __init__(self, trace: Trace) -> None:
         self.prefix_sizes = trace.prefixes
         self._prefixes: dict[str, list[BlockHash]] = {}
-        self._last: dict[
-            tuple[AgentId, BranchId], tuple[bytes, tuple[BlockId, ...], list[BlockHash]]
-        ]
+        self._last: dict[tuple[AgentId, BranchId], tuple[bytes, Blocks, list[BlockHash]]]
         self._last = {}
 
     def prefix(self, name: str) -> list[BlockHash]:

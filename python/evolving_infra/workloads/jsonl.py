@@ -37,6 +37,7 @@ from evolving_infra.workloads.model import (
     Agent,
     AgentId,
     BlockId,
+    Blocks,
     Branch,
     BranchId,
     BranchKind,
@@ -128,7 +129,7 @@ def _put(rec: dict[str, Any], key: str, value: Any, default: Any) -> None:
         rec[key] = value
 
 
-def _first_base(b: Branch, branches: dict[BranchId, Branch]) -> tuple[BlockId, ...]:
+def _first_base(b: Branch, branches: dict[BranchId, Branch]) -> Blocks:
     if b.kind is BranchKind.FORK and b.parent is not None and b.after is not None:
         return branches[b.parent].requests[b.after].blocks
     return ()
@@ -294,7 +295,7 @@ class _Reader:
                 wait=self.get(rec, "wait", _is_seconds, "seconds >= 0"),
                 prompt_tokens=self.get(rec, "prompt_tokens", _is_nat, "an int >= 0"),
                 output_tokens=self.get(rec, "output_tokens", _is_nat, "an int >= 0"),
-                blocks=base[:keep] + tuple(BlockId(v) for v in add),
+                blocks=tuple(base[:keep]) + tuple(BlockId(v) for v in add),
                 shared=self.opt(rec, "shared", _is_nat, "an int >= 0", 0),
                 join=tuple(BranchId(v) for v in join),
                 compaction=self.opt(rec, "compaction", _is_bool, "true or false", False),
@@ -303,7 +304,7 @@ class _Reader:
         )
         b.lines.append(self.line)
 
-    def base(self, a: _AgentDraft, b: _BranchDraft) -> tuple[BlockId, ...]:
+    def base(self, a: _AgentDraft, b: _BranchDraft) -> Blocks:
         if b.requests:
             return b.requests[-1].blocks
         br = b.branch

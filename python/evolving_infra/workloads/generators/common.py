@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from evolving_infra.workloads.errors import WorkloadError
 from evolving_infra.workloads.model import (
     Agent,
     AgentId,
     BlockId,
+    BlockIds,
     Branch,
     BranchId,
     BranchKind,
@@ -59,10 +61,13 @@ class _Turn:
     wait: float
     prompt_tokens: int
     output_tokens: int
-    blocks: tuple[BlockId, ...]
+    # The prompt's own blocks: the first `blocks` of `ids` (the branch's list of ids at the
+    # time, which later turns may extend but never change; see `BranchBuilder`).
+    ids: list[BlockId]
+    blocks: int
     shared: int
     join: tuple[BranchId, ...]
-    context_blocks: tuple[BlockId, ...] = ()  # own full blocks once the response is in
+    context_blocks: int = 0  # own full blocks once the response is in (the first of `ids`)
 
 
 @dataclass(slots=True)
@@ -72,6 +77,11 @@ class BranchBuilder:
     The context is the last prompt plus its response; a request appends `new_tokens` (a tool
     result, a screenshot, the user's next message) to it. Block ids are minted when a block
     becomes full, so a block keeps its id as long as the tokens before it do not change.
+
+    NOTE: `blocks` is only ever appended to; a compaction starts a new list. Each turn records
+    the list and its length, and `AgentBuilder.build` makes every request a `BlockIds` view of
+    one array per list, instead of a tuple per request (memory: the blocks a branch mints, not
+    the sum of its prompts).
     """
 
     id: BranchId
@@ -88,9 +98,9 @@ class BranchBuilder:
     def _fill(self, tokens: int) -> None:
         """The context is now `tokens` long: mint ids for the blocks that became full."""
         bs = self.owner.block_size
-        full = tokens // bs - self.shared
-        while len(self.blocks) < full:
-            self.blocks.append(self.owner.fresh())
+        new = tokens // bs - self.shared - len(self.blocks)
+        if new > 0:
+            self.blocks.extend(self.owner.fresh_run(new))
         self.context_tokens = tokens
 
     def request(
@@ -104,9 +114,9 @@ class BranchBuilder:
         """Sends context + `new_tokens`; the response then joins the context. Returns its index."""
         prompt = self.context_tokens + new_tokens
         self._fill(prompt)
-        turn = _Turn(wait, prompt, output_tokens, tuple(self.blocks), self.shared, join)
+        turn = _Turn(wait, prompt, output_tokens, self.blocks, len(self.blocks), self.shared, join)
         self._fill(prompt + output_tokens)
-        turn.context_blocks = tuple(self.blocks)
+        turn.context_blocks = len(self.blocks)
         self.turns.append(turn)
         return len(self.turns) - 1
 
@@ -115,7 +125,7 @@ class BranchBuilder:
         keep_tokens = min(keep_tokens, self.context_tokens)
         bs = self.owner.block_size
         keep_blocks = max(0, keep_tokens // bs - self.shared)
-        del self.blocks[keep_blocks:]
+        self.blocks = self.blocks[:keep_blocks]  # a new list: earlier turns keep theirs
         # The summary starts a new chain after the kept blocks: the partial block in between is
         # rewritten, so its tokens are dropped from the kept part.
         self.context_tokens = (self.shared + keep_blocks) * bs
@@ -141,6 +151,12 @@ class AgentBuilder:
     def fresh(self) -> BlockId:
         self._next_id += 1
         return BlockId(self._next_id)
+
+    def fresh_run(self, n: int) -> Iterable[BlockId]:
+        """`n` fresh ids, as `n` calls of `fresh` would mint them."""
+        first = self._next_id + 1
+        self._next_id += n
+        return cast(Iterable[BlockId], range(first, first + n))
 
     def root(self, delay: float = 0.0) -> BranchBuilder:
         assert not self.branches, "the root is the first branch"
@@ -177,13 +193,14 @@ class AgentBuilder:
             shared=t.shared,
         )
         # The parent's context right after that response, with the same block ids.
-        b.blocks = list(t.context_blocks)
+        b.blocks = t.ids[: t.context_blocks]
         b.context_tokens = t.prompt_tokens + t.output_tokens
         self.branches.append(b)
         return b
 
     def build(self) -> Agent:
         branches = []
+        views = _Views()
         for b in self.branches:
             if not b.turns:
                 continue
@@ -193,7 +210,7 @@ class AgentBuilder:
                     wait=t.wait,
                     prompt_tokens=t.prompt_tokens,
                     output_tokens=t.output_tokens,
-                    blocks=t.blocks,
+                    blocks=views.of(t.ids, t.blocks),
                     shared=t.shared,
                     join=t.join,
                     compaction=(b.id, i) in self.compactions,
@@ -211,6 +228,21 @@ class AgentBuilder:
             follows=self.follows,
             prefix=self.prefix,
         )
+
+
+class _Views:
+    """`BlockIds` views of the builder's id lists, one array per list."""
+
+    def __init__(self) -> None:
+        self._bases: dict[int, array[int]] = {}
+        self._keep: list[list[BlockId]] = []  # the lists whose ids key `_bases`
+
+    def of(self, ids: list[BlockId], n: int) -> BlockIds:
+        base = self._bases.get(id(ids))
+        if base is None:
+            base = self._bases[id(ids)] = array("q", ids)
+            self._keep.append(ids)
+        return BlockIds(base, n)
 
 
 Session = Callable[[random.Random, AgentBuilder, float], None]
