@@ -78,8 +78,10 @@ fmt: $(STAMP) ## format Rust and Python
 # Sized for a 2-core machine: the engines simulate H200s (a 500k-token Claude Code prompt fits
 # one GPU's KV) 50x faster than real time, and think times run at the traces' own pace (speed
 # 1): the cluster's CPU, not the simulated GPUs, is what 200 agents of ~100k-token prompts load.
+# No shared pool: its PD hand-offs put every prompt block through the Mooncake store, which on
+# 2 cores starves the rest (the pool's own faults are tested in tests/test_engine_pool.py).
 SOAK_ARGS ?= --agents 200 --duration 600 --kill-engine-at 200 --restart-router-at 400 \
-	--speed 1 --time-scale 50 --gpu h200-sxm --request-timeout 120
+	--speed 1 --time-scale 50 --gpu h200-sxm --no-pool --request-timeout 120
 
 soak: build ## 200 agents for 10 min on a loopback cluster, an engine killed, the router restarted (not in `make test`)
 	mkdir -p out

@@ -120,7 +120,8 @@ def test_prefill_waits_for_its_decode_side_to_claim_the_room() -> None:
             # No decode side yet: nothing prefilled, nothing pinned, the request still waits.
             assert not pre.done()
             assert p.engine.kv.pinned == 0
-            assert not p.engine.node.queue and not p.engine.node.running
+            assert not p.engine.node.queue
+            assert not p.engine.node.running
             status_d, out_d = await d.post("/generate", body)
             status_p, _ = await pre
             assert (status_p, status_d) == (200, 200), out_d
