@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
+from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.policies import PolicyContext, static
@@ -157,19 +158,36 @@ def test_a_prefill_node_switching_to_decode_adopts_the_requests_it_prefilled(
         SimConfig(gpus=16, duration=600, seed=2),
         replace(static(Split(3, 1)), name="one-switch", planner=lambda ctx: planner),
     )
-    cluster.run()
     assert cluster.switcher is not None
+    taken: list[SimRequest] = []
+    take = cluster.switcher._take_prefilled
+    assert take is not None
+
+    def recording(node: int) -> list[SimRequest]:
+        out = take(node)
+        taken.extend(out)
+        return out
+
+    cluster.switcher._take_prefilled = recording
+    cluster.run()
     [s] = cluster.switcher.log
     if mode == "in-place-keep":
         assert s.adopted
+        assert sorted(s.adopted) == sorted(r.id for r in taken)
         assert 0 <= s.drained - s.requested < 30.0
         assert s.up > 0
-        # Each adopted request was decoded to the end, or is still decoding (or waiting for
-        # room) on the switched node, the only one holding its KV: none is lost.
-        node = cluster.nodes[s.node]
-        there = {r.id for r in (*node.batch, *node.joining, *node.waiting)}
-        assert set(s.adopted) <= cluster.metrics.done_ids | there
-        assert set(s.adopted) & cluster.metrics.done_ids
+        # Each adopted request was decoded to the end, or is decoding, moving to or waiting for
+        # a decode node: none is lost.
+        queued = {r.id for n in cluster.nodes for r in (*n.batch, *n.joining, *n.waiting)} | {
+            r.id for r in cluster.pending_decode
+        }
+        for r in taken:
+            moving = r.decode_node >= 0 and r.first_token < 0
+            assert r.id in cluster.metrics.done_ids or r.id in queued or moving, r.id
+        # The switched node decoded what fit at once; the rest waited for any decode node (all
+        # of them queued on the switched node left the other decode node idle).
+        assert any(r.decode_node == s.node and r.done >= 0 for r in taken)
+        assert any(r.decode_node != s.node and r.done >= 0 for r in taken)
     else:
         assert not s.adopted
         assert s.drained < 0 or s.drained - s.requested >= 30.0

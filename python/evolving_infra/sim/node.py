@@ -355,6 +355,22 @@ class Node:
             return False
         return True
 
+    def adopt(self, req: SimRequest, now: float) -> bool:
+        """A request this node prefilled and kept through its switch to decode: admitted here
+        (True; the caller starts the transfer, which moves nothing) when no one waits before it
+        and its KV fits now; otherwise it keeps its prefill pins (False) and waits for a decode
+        node like any prefilled request."""
+        pins = req.pin_p
+        self.release(req, now, kick=False)
+        if not self.waiting and self._admit_decode(req, now):
+            req.decode_node = self.id
+            return True
+        # `_admit_decode` changed nothing: pin the prompt again as its prefill left it.
+        self.kv.pin(req.hashes)
+        self.kv.pinned += pins
+        req.pin_p = pins
+        return False
+
     def _admit_decode(self, req: SimRequest, now: float) -> bool:
         h, kv = req.hashes, self.kv
         total = blocks_for(req.prompt_tokens + req.output_tokens, self.s.block_size)
