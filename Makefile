@@ -80,8 +80,12 @@ fmt: $(STAMP) ## format Rust and Python
 # 1): the cluster's CPU, not the simulated GPUs, is what 200 agents of ~100k-token prompts load.
 # No shared pool: its PD hand-offs put every prompt block through the Mooncake store, which on
 # 2 cores starves the rest (the pool's own faults are tested in tests/test_engine_pool.py).
+# Six engines, so that two decode engines remain when one is killed; a host KV tier of 50,000
+# pages per engine, which fills within the run (the default, 1 TiB per 8 GPUs, takes hours), so
+# memory levels off where a long-running engine's would.
 SOAK_ARGS ?= --agents 200 --duration 600 --kill-engine-at 200 --restart-router-at 400 \
-	--speed 1 --time-scale 50 --gpu h200-sxm --no-pool --request-timeout 120
+	--engines 6 --l2-blocks 50000 --speed 1 --time-scale 50 --gpu h200-sxm --no-pool \
+	--request-timeout 120
 
 soak: build ## 200 agents for 10 min on a loopback cluster, an engine killed, the router restarted (not in `make test`)
 	mkdir -p out

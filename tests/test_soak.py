@@ -3,6 +3,7 @@ probes it measures with."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -151,3 +152,16 @@ def test_the_report_says_when_p99_is_only_a_floor_and_shows_growth() -> None:
     assert "2.0 ms" in text
     assert "+10.0 MiB (+5.0%) since 150.0 s" in text
     assert report.to_dict()["router_overhead_p99_above_top_bucket"] is True
+
+
+def test_the_soak_hands_its_cluster_options_to_cluster_up() -> None:
+    """`soak` starts the cluster through `cluster up`'s own parser: the engines' GPU kind, pool
+    and host KV capacity reach it (a soak-sized L2 fills within the run, so memory can level)."""
+    from evolving_infra.soak import command as soak_command
+
+    p = argparse.ArgumentParser()
+    soak_command.add_arguments(p)
+    args = p.parse_args(["--engines", "6", "--gpu", "h200-sxm", "--no-pool", "--l2-blocks", "5000"])
+    up = soak_command._cluster_args(args)
+    assert (up.engines, up.gpu, up.no_pool, up.l2_blocks) == (6, "h200-sxm", True, 5000)
+    assert soak_command._cluster_args(p.parse_args([])).l2_blocks is None

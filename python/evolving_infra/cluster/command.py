@@ -142,6 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--time-scale", type=positive_float, default=1.0,
       help="simulated seconds per real second in the engines (default: 1)")  # fmt: skip
     a("--no-pool", action="store_true", help="no Mooncake master: engines keep L2 to themselves")
+    a("--l2-blocks", type=natural_int, default=None,
+      help="each engine's host KV capacity in pages (default: 1 TiB per 8 GPUs)")  # fmt: skip
     a("--no-planner", action="store_true", help="the router never switches engine phases")
     a("--planner-interval", type=positive_seconds, default=60.0,
       help="seconds between the router's phase-split decisions (default: 60)")  # fmt: skip
@@ -191,6 +193,7 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
         http, grpc = ports[:n], ports[n:]
         cluster.engine_urls = [f"http://127.0.0.1:{p}" for p in http]
         cluster.control = [f"127.0.0.1:{p}" for p in grpc]
+        l2 = [] if args.l2_blocks is None else ["--l2-blocks", str(args.l2_blocks)]
         for i in range(n):
             phase = "prefill" if i < prefill else "decode"
             cluster.spawn(
@@ -198,7 +201,7 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
                 [*me, "engine", "--backend", "sim", "--node-id", str(i), "--phase", phase,
                  "--port", str(http[i]), "--grpc-port", str(grpc[i]), "--model", args.model,
                  "--gpu", args.gpu, "--tp", str(args.tp), "--page-size", str(args.page_size),
-                 "--time-scale", str(args.time_scale), "--seed", str(i), *pool],
+                 "--time-scale", str(args.time_scale), "--seed", str(i), *l2, *pool],
             )  # fmt: skip
         for i in range(n):
             wait_healthy(cluster, f"http://127.0.0.1:{http[i]}/health", f"engine {i}")

@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="the simulated engines' GPU kind (default: %(default)s)")  # fmt: skip
     a("--no-pool", action="store_true",
       help="no Mooncake master: engines keep L2 to themselves (PD hand-offs too)")  # fmt: skip
+    a("--l2-blocks", type=natural_int, default=None,
+      help="each engine's host KV capacity in pages (default: the engine's, 1 TiB per 8 GPUs;"
+           " a smaller one fills, and so shows memory level off, within a soak)")  # fmt: skip
     a("--traces", type=Path, nargs="+", default=[DEFAULT_TRACES], metavar="TRACE",
       help=f"traces the agents are drawn from (default: the bundled {DEFAULT_TRACES})")  # fmt: skip
     a("--speed", type=positive_float, default=10.0,
@@ -133,6 +136,8 @@ def _cluster_args(args: argparse.Namespace) -> argparse.Namespace:
         argv += ["--prefill", str(args.prefill)]
     if args.no_pool:
         argv.append("--no-pool")
+    if args.l2_blocks is not None:
+        argv += ["--l2-blocks", str(args.l2_blocks)]
     return p.parse_args(argv)
 
 
