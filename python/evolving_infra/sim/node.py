@@ -394,7 +394,7 @@ class Node:
 
     def take_waiting_from(self, prefill_node: int, now: float) -> list[SimRequest]:
         """The waiting requests whose KV is on `prefill_node` (a prefill node switching to
-        decode in place: it will admit them itself), and admits what now fits."""
+        decode in place adopts them: `adopt`), and admits what now fits."""
         out = [r for r in self.waiting if r.prefill_node == prefill_node]
         if out:
             self.waiting = deque(r for r in self.waiting if r.prefill_node != prefill_node)

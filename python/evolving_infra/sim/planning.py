@@ -162,9 +162,10 @@ class Switcher:
     def _adopt(self, node: Node, log: SwitchLog) -> bool:
         """Whether a prefill node switching to decode in place may go down although it still
         pins KV: when all it pins is the KV of requests it prefilled that wait for a decode
-        node, it takes them (it keeps their KV through the switch and admits them itself once
-        it decodes). Without this the drain waits until saturated decode nodes admit them,
-        which can take the whole of the shortage the switch is meant to relieve."""
+        node, it takes them (it keeps their KV through the switch; once it decodes it admits
+        those that fit and sends the rest back to wait for any decode node, `_up`). Without
+        this the drain waits until saturated decode nodes admit them, which can take the whole
+        of the shortage the switch is meant to relieve."""
         if (
             self.mode != "in-place-keep"
             or log.to != "decode"
