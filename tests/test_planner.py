@@ -26,6 +26,7 @@ from evolving_infra.planner.common import (
     merge,
     prefill_rate,
 )
+from evolving_infra.planner.hits import SplitMemory
 from evolving_infra.timing import DEFAULT_DEPLOYMENT
 from evolving_infra.timing.model import IterationModel
 
@@ -131,6 +132,104 @@ def crossover_output(u: int, c: int) -> float:
         mu_d = decode_rate(MODEL, MeanRequest(u, c, o, u + c + o / 2), kv, 256)
         lo, hi = (o, hi) if 3 * mu_d > 4 * mu_p else (lo, o)
     return (lo + hi) / 2
+
+
+def ran(s: SliceStats, uncached_share: float) -> SliceStats:
+    """`s` whose arrivals' prefills ran, with `uncached_share` of their prompt computed."""
+    return dataclasses.replace(
+        s,
+        prefills=s.requests,
+        prefilled_prompt_tokens=s.prompt_tokens,
+        prefilled_uncached_tokens=round(s.prompt_tokens * uncached_share),
+    )
+
+
+def ticks(
+    planner: EvolvingPlanner,
+    split: Split,
+    found: float,
+    minutes: int,
+    seed: int = 0,
+    start: int = 0,
+) -> list[Split | None]:
+    """`minutes` one-minute decisions at `split` (not carried out) from minute `start`, each
+    handed the last ten AGENTIC slices, whose prefills found `found` of the prompt uncached."""
+    rng = random.Random(seed)
+    u, c, o = AGENTIC
+    slices = [
+        ran(sl(k, jitter(rng, u), jitter(rng, c), max(jitter(rng, o), 1)), found)
+        for k in range(start + minutes)
+    ]
+    out = []
+    for k in range(start, start + minutes):
+        planner.in_flight = False  # the decision is not carried out: ask again next minute
+        out.append(planner.decide(60.0 * (k + 1), split, slices[max(0, k - 9) : k + 1], MODEL))
+    return out
+
+
+ESTIMATED = 2_000 / 30_000  # AGENTIC's uncached share as placed
+
+
+def test_evolving_leaves_a_split_whose_prefills_lose_their_cache() -> None:
+    """Placements estimate 93% of the prompt cached; at 2P6D the prefills find 20% (the blocks
+    were evicted while the requests queued). Trusting the estimate, 2P6D is the best split; once
+    2P6D has run a settled window, the planner sizes prefill work by what its prefills computed
+    and adds prefill nodes."""
+    assert all(d is None for d in ticks(EvolvingPlanner(8), Split(2, 6), ESTIMATED, 14))
+    p = EvolvingPlanner(8)
+    decisions = ticks(p, Split(2, 6), 0.8, 14)
+    settled = round(p.memory.settle_s / 60)
+    assert decisions[:settled] == [None] * settled  # the switch's transient is not evidence
+    moved = [d for d in decisions if d is not None]
+    assert moved
+    assert moved[0].prefill > 2
+    loss = p.memory.measured(2)
+    assert loss is not None
+    assert loss == pytest.approx(0.8 / ESTIMATED, rel=0.1)
+    # An untried split is assumed as good as the best tried one, not as good as estimated.
+    assert p.memory.measured(3) is None
+    assert p.memory.loss(3) == loss
+
+
+def test_evolving_does_not_return_to_a_split_it_found_lossy() -> None:
+    """Trusting the estimate, the best split from 3P5D is 2P6D. The planner ran 2P6D, whose
+    prefills lost 80% of the estimated cache, then 3P5D, where the estimate held: 2P6D is not
+    proposed again."""
+    w = window(AGENTIC, seed=5)
+    fresh = EvolvingPlanner(8).evaluate(NOW, Split(3, 5), w, MODEL)
+    assert fresh is not None
+    assert fresh.target == Split(2, 6)
+    tried = EvolvingPlanner(8)
+    ticks(tried, Split(2, 6), 0.8, 12)
+    ticks(tried, Split(3, 5), ESTIMATED, 12, start=12)
+    assert tried.memory.measured(2) is not None
+    assert tried.memory.measured(3) == pytest.approx(1.0, rel=0.05)
+    w = [dataclasses.replace(s, start=s.start + 840, end=s.end + 840) for s in w]
+    again = tried.evaluate(NOW + 840, Split(3, 5), w, MODEL)
+    assert again is not None
+    assert again.target != Split(2, 6)
+
+
+def test_split_memory_settles_expires_and_ignores_switches() -> None:
+    m = SplitMemory(settle_s=120, memory_s=600, min_prefills=10)
+    s = [ran(sl(k, 1_000, 9_000, 100), 0.5) for k in range(30)]
+    m.note(60, Split(2, 2), s[:1], switching=False)  # a new split: its transient starts
+    m.note(120, Split(2, 2), s[:2], switching=False)
+    m.note(180, Split(2, 2), s[:3], switching=False)
+    assert m.loss(2) is None  # slices 1 and 2 began within 120 s of the split
+    m.note(240, Split(2, 2), s[:4], switching=False)
+    assert m.measured(2) == pytest.approx(5.0)  # 0.5 computed where 0.1 was estimated
+    assert m.measured(3) is None
+    assert m.loss(3) == pytest.approx(5.0)  # untried: as good as the best tried
+    m.note(300, Split(2, 2), s[:5], switching=True)  # a switch in flight: nothing counts
+    m.note(360, Split(3, 1), s[:6], switching=False)
+    m.note(420, Split(3, 1), s[:7], switching=False)
+    assert m.tried() == {2: pytest.approx(5.0)}
+    m.note(240 + 600, Split(3, 1), s[:14], switching=False)  # slice 3 (ends at 240) expired
+    assert m.measured(2) is None
+    assert set(m.tried()) == {3}
+    with pytest.raises(ValueError, match="min_prefills"):
+        SplitMemory(min_prefills=0)
 
 
 def test_evolving_does_not_flip_on_one_bursty_slice() -> None:

@@ -12,16 +12,17 @@ import asyncio
 import json
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import pytest
 
 from evolving_infra import KvDirectory
 from evolving_infra._core import PrefixMatch
+from evolving_infra.planner.slices import Slices
 from evolving_infra.router import api
 from evolving_infra.router.daemon import SampleThinning
-from evolving_infra.router.dispatcher import PreparedRequest
+from evolving_infra.router.dispatcher import Finished, PreparedRequest, TextPiece
 from evolving_infra.router.pd import (
     EngineHandle,
     PdDispatcher,
@@ -210,3 +211,40 @@ def test_the_event_loop_serves_other_requests_while_a_prompt_is_encoded() -> Non
         assert len(r.dispatcher.seen[0].token_ids) > 100_000
 
     run_router(test, tokenizer=tokenizer)
+
+
+# -- what the planner hears ---------------------------------------------------------------------
+
+
+def test_the_planner_hears_the_estimate_at_placement_and_what_the_prefill_found() -> None:
+    """Arrivals carry the cached prefix the directory promised at placement; the finished
+    request's `cached_tokens` (the prefill's own count, relayed by the decode side) is what the
+    prefill really computed: the planner's `hits.SplitMemory` compares the two."""
+    real = KvDirectory()
+    ids = list(range(256)) * 16  # 4,096 tokens
+    req = _request(ids)
+    real.store(1, "L1", list(req.block_hashes[:1000]))  # promised: 4,000 tokens cached
+    d = _dispatcher(real)
+    d.slices = Slices(600.0)
+
+    async def prefill(engine: Any, body: bytes) -> None:
+        return None
+
+    async def decode(engine: Any, body: bytes) -> AsyncIterator[Any]:
+        yield TextPiece("hi", 1)
+        yield Finished("stop", 1, 1_000)  # the blocks were gone: 1,000 cached, not 4,000
+
+    d._prefill = prefill  # type: ignore[method-assign]
+    d._decode = decode  # type: ignore[method-assign,assignment]
+
+    async def run() -> list[Any]:
+        return [e async for e in d.generate(req)]
+
+    events = asyncio.run(run())
+    assert isinstance(events[-1], Finished)
+    s = d.slices.close(1.0)
+    assert (s.requests, s.prompt_tokens) == (1, len(ids))
+    assert (s.uncached_tokens, s.cached_tokens) == (len(ids) - 4_000, 4_000)
+    assert (s.prefills, s.prefilled_prompt_tokens) == (1, len(ids))
+    assert s.prefilled_uncached_tokens == len(ids) - 1_000
+    assert s.output_tokens == 1

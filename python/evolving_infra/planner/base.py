@@ -44,6 +44,12 @@ class SliceStats:
     prefill_queue_s: float  # mean predicted prefill queue drain time over prefill nodes
     kv_utilization: float  # mean L1 use of decode nodes, 0..1
     mean_input_tokens: float  # average prompt length (Dynamo's coarse signal)
+    # Prefills that ran in the slice (whenever their requests arrived): what the prefill nodes
+    # actually computed. The arrivals' split above is estimated when a request is placed and
+    # assumes its cached blocks survive until it runs; under load they often do not.
+    prefills: int = 0
+    prefilled_prompt_tokens: int = 0
+    prefilled_uncached_tokens: int = 0
 
 
 class Planner(Protocol):

@@ -98,6 +98,9 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         mean_input_tokens=(
             prompt / requests if requests else avg([s.mean_input_tokens for s in slices], dur)
         ),
+        prefills=sum(s.prefills for s in slices),
+        prefilled_prompt_tokens=sum(s.prefilled_prompt_tokens for s in slices),
+        prefilled_uncached_tokens=sum(s.prefilled_uncached_tokens for s in slices),
     )
 
 

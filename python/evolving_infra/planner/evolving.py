@@ -6,6 +6,9 @@ throughput is Θ_s(x) = min(x·μ_P(s), y·μ_D(s)) requests/s, with per-node se
 fitted iteration-time model and the slice's mean request (`common.MeanRequest`):
 
 - μ_P: a prefill node's requests/s for a request of the slice's mean uncached and cached tokens,
+  the uncached ones as the placements estimated them times the loss the planner remembers for
+  that candidate split (`hits.SplitMemory`: how much more the prefills computed than estimated
+  while the split ran; 1 for a split not run recently),
   iterations batching as many whole requests as fit the chunk budget (8192 tokens, SGLang's
   default; a longer request runs in chunks), `model.predict_prefill`;
 - μ_D: a decode node's tokens/s at the batch that fits its KV at the slice's mean context
@@ -48,6 +51,7 @@ from evolving_infra.planner.common import (
     prefill_rate,
     rebin,
 )
+from evolving_infra.planner.hits import SplitMemory
 from evolving_infra.timing.model import IterationModel
 
 
@@ -83,6 +87,7 @@ class EvolvingPlanner(PlannerGate):
         chunk_tokens: int = CHUNK_TOKENS,
         kv_capacity_tokens: int | None = None,
         max_decode_batch: int = MAX_DECODE_BATCH,
+        memory: SplitMemory | None = None,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
@@ -100,6 +105,7 @@ class EvolvingPlanner(PlannerGate):
         self.chunk_tokens = chunk_tokens
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_decode_batch = max_decode_batch
+        self.memory = SplitMemory() if memory is None else memory
         self.last: Evaluation | None = None
 
     def evaluate(
@@ -114,10 +120,15 @@ class EvolvingPlanner(PlannerGate):
         if len(mix) < self.min_slices:
             return None
         kv = self._kv_tokens(model)
-        mu_p = np.array([prefill_rate(model, m.uncached, m.cached, self.chunk_tokens) for m in mix])
         mu_d = np.array([decode_rate(model, m, kv, self.max_decode_batch) for m in mix])
         xs = np.arange(1, n)  # prefill nodes of each candidate
-        theta = np.minimum(np.outer(mu_p, xs), np.outer(mu_d, n - xs))  # (slices, candidates)
+        # μ_P per slice at each candidate's loss of cached blocks (`hits`); one row per distinct
+        # loss: untried candidates share one.
+        losses = [self.memory.loss(int(x)) for x in xs]
+        factors = [1.0 if f is None else f for f in losses]
+        rows = {f: self._prefill_rates(model, mix, f) for f in set(factors)}
+        mu_p = np.stack([rows[f] for f in factors], axis=1)  # (slices, candidates)
+        theta = np.minimum(mu_p * xs, np.outer(mu_d, n - xs))
         mean_theta = theta.mean(axis=0)
         cur = split.prefill - 1
         # Best mean Θ; among ties (within a relative 1e-9) the one closest to the current split.
@@ -134,9 +145,21 @@ class EvolvingPlanner(PlannerGate):
             p_value=_one_sided_p(gains),
         )
 
+    def _prefill_rates(
+        self, model: IterationModel, mix: Sequence[MeanRequest], loss: float
+    ) -> npt.NDArray[np.float64]:
+        """μ_P of each slice's mean request with `loss` times its estimated uncached tokens."""
+        out = []
+        for m in mix:
+            prompt = m.uncached + m.cached
+            u = min(max(m.uncached * loss, 1.0), prompt)
+            out.append(prefill_rate(model, u, prompt - u, self.chunk_tokens))
+        return np.array(out)
+
     def decide(
         self, now: float, split: Split, window: Sequence[SliceStats], model: IterationModel
     ) -> Split | None:
+        self.memory.note(now, split, window, switching=self.in_flight)
         if self.in_flight:
             return None
         ev = self.last = self.evaluate(now, split, window, model)

@@ -1,9 +1,10 @@
 """The planner's window: one `SliceStats` per planner tick, accumulated by a driver.
 
 Both drivers (the simulator and the live router) feed the same accumulator: arrivals with the
-cached/uncached split estimated when the request was placed, output tokens as they are decoded,
-and periodic samples of the nodes (`NodeSample`s, which each driver builds from its own view of
-a node). The planner sees the slices of the last `window_s` seconds.
+cached/uncached split estimated when the request was placed, prefills as they ran with the
+split they really had, output tokens as they are decoded, and periodic samples of the nodes
+(`NodeSample`s, which each driver builds from its own view of a node). The planner sees the
+slices of the last `window_s` seconds.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Slices:
     def _reset(self, start: float) -> None:
         self.start = start
         self.requests = self.prompt = self.uncached = self.cached = self.output = 0
+        self.prefills = self.prefilled_prompt = self.prefilled_uncached = 0
         self.samples = 0
         self.batch_sum = 0.0  # Σ over samples of the mean batch per decode node
         self.context_sum = 0.0  # Σ over samples of the total context decoding
@@ -52,6 +54,12 @@ class Slices:
         self.prompt += prompt
         self.uncached += uncached
         self.cached += cached
+
+    def prefilled(self, prompt: int, uncached: int) -> None:
+        """A prefill ran with `uncached` of its `prompt` tokens computed (the rest cached)."""
+        self.prefills += 1
+        self.prefilled_prompt += prompt
+        self.prefilled_uncached += uncached
 
     def tokens(self, n: int) -> None:
         self.output += n
@@ -103,6 +111,9 @@ class Slices:
             prefill_queue_s=self.queue_sum / k,
             kv_utilization=self.kv_sum / k,
             mean_input_tokens=self.prompt / self.requests if self.requests else 0.0,
+            prefills=self.prefills,
+            prefilled_prompt_tokens=self.prefilled_prompt,
+            prefilled_uncached_tokens=self.prefilled_uncached,
         )
         self.window.append(s)
         while self.window and self.window[0].end <= now - self.window_s:

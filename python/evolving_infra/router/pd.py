@@ -413,6 +413,14 @@ class PdDispatcher:
             while event is not None:
                 if self.slices is not None and isinstance(event, TextPiece):
                     self.slices.tokens(event.tokens)
+                elif (
+                    self.slices is not None
+                    and isinstance(event, Finished)
+                    and event.cached_tokens is not None
+                ):
+                    # What the prefill really found cached (the decode side reports it).
+                    t = len(req.token_ids)
+                    self.slices.prefilled(t, t - min(event.cached_tokens, t))
                 yield event
                 event = await anext(stream, None)
             # The decode side had the KV once it streamed: the prefill answer only confirms it,

@@ -380,6 +380,7 @@ class Cluster:
     def prefilled(self, req: SimRequest) -> None:
         self.parents.register(req.hashes)
         self.metrics.prefilled(req)
+        self.slices.prefilled(req.prompt_tokens, req.uncached)
         if req.output_tokens <= 0:
             self.nodes[req.prefill_node].release(req, self.now)
             req.first_token = req.done = self.now
