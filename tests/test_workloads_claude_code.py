@@ -6,6 +6,8 @@ import gzip
 import hashlib
 import json
 import lzma
+import random
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from evolving_infra.workloads import (
     load_conversations,
     merge_by_time,
 )
+from evolving_infra.workloads.model import BlockIds
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces" / "claude-code"
 
@@ -128,6 +131,13 @@ def test_chain_hashes_match_a_naive_rolling_digest() -> None:
     ids = [5, -(2**63), 2**63 - 1, 5]
     known = chain_hashes(ConversationId("x"), ids[:2])
     assert list(chain_hashes(ConversationId("x"), ids, known)) == naive("x", ids)
+    # A view of a branch's id array (what generated traces hold), with a known head.
+    rng = random.Random(7)
+    many = [rng.randrange(-(2**63), 2**63) for _ in range(5_000)]
+    view = BlockIds(array("q", many), 4_321)
+    want = naive("y", many[:4_321])
+    assert list(chain_hashes(ConversationId("y"), view)) == want
+    assert list(chain_hashes(ConversationId("y"), view, tuple(want[:1_000]))) == want  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["trace_0277", "trace_0010", "trace_0274"])

@@ -27,12 +27,17 @@ __all__ = [
     "UnknownParentError",
     "__version__",
     "block_hashes",
+    "trace_chain",
 ]
 
 __version__: Final[str]
 
 def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
     """SGLang 0.5.23 page hashes of every full page of `token_ids` (signed 64-bit ints)."""
+
+def trace_chain(seed: bytes, ids: npt.NDArray[np.int64], person: bytes) -> list[int]:
+    """Trace block hashes chained from `seed` (`workloads.blocks.chain_from`): blake2b with an
+    8-byte digest and `person` over the previous digest and each id's 8 little-endian bytes."""
 
 class KvDirectoryError(ValueError):
     """Base of every error the directory raises; the directory is unchanged when it is raised."""

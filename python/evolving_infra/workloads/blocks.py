@@ -17,6 +17,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import NewType, cast
 
+import numpy as np
+
+from evolving_infra._core import trace_chain
 from evolving_infra.workloads.model import (
     Agent,
     AgentId,
@@ -51,18 +54,20 @@ def namespace_seed(namespace: str) -> bytes:
 
 
 def chain_from(seed: bytes, ids: Sequence[int], known: Sequence[BlockHash] = ()) -> list[BlockHash]:
-    """Hashes of `ids` chained from `seed`; `known` holds the already computed leading ones."""
-    out: list[int] = list(known)
+    """Hashes of `ids` chained from `seed`; `known` holds the already computed leading ones.
+
+    The chain is computed natively (`_core.trace_chain`, the blake2b above): the simulator
+    hashes every new prompt block, and a Python loop over them (~1.4 µs a block) was an eighth
+    of a 3,072-GPU run's time."""
+    k = len(known)
     digest = int.to_bytes(known[-1], 8, "little", signed=True) if known else seed
-    # The loop runs per block: names bound once, and no `BlockHash(...)` call per element
-    # (a NewType is an identity function, but a call all the same).
-    copy, from_bytes, append = _BLANK.copy, int.from_bytes, out.append
-    for block_id in ids[len(known) :]:
-        h = copy()
-        h.update(digest)
-        h.update(block_id.to_bytes(8, "little", signed=True))
-        digest = h.digest()
-        append(from_bytes(digest, "little", signed=True))
+    if isinstance(ids, BlockIds):
+        # A view of the branch's id array: no copy, no Python int per id.
+        arr = np.frombuffer(ids.base, dtype=np.int64, count=len(ids))[k:]
+    else:
+        arr = np.fromiter(ids[k:], dtype=np.int64)
+    out: list[int] = list(known)
+    out.extend(trace_chain(digest, arr, _PERSON))
     return cast(list[BlockHash], out)
 
 

@@ -39,11 +39,30 @@ fn block_hashes(
     out.map_err(|e| errors::to_py(py, e))
 }
 
+/// Trace block hashes chained from `seed` (`workloads.blocks.chain_from`): blake2b with an
+/// 8-byte digest and `person` over the previous digest and each id's 8 little-endian bytes.
+#[pyfunction]
+fn trace_chain(
+    py: Python<'_>,
+    seed: &[u8],
+    ids: numpy::PyReadonlyArray1<'_, i64>,
+    person: &[u8],
+) -> PyResult<Vec<i64>> {
+    let ids = ids.as_slice()?;
+    let out = if ids.len() > 4096 {
+        py.detach(|| kvdir::trace_chain(seed, ids, person))
+    } else {
+        kvdir::trace_chain(seed, ids, person)
+    };
+    out.map_err(|e| errors::to_py(py, e))
+}
+
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     convert::init_clock(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(trace_chain, m)?)?;
     m.add_class::<directory::KvDirectory>()?;
     m.add_class::<directory::PrefixMatch>()?;
     errors::register(m)?;

@@ -24,7 +24,7 @@ mod wide;
 pub use branches::BranchId;
 pub use directory::{Directory, PrefixMatch, Stats};
 pub use error::{Error, Result};
-pub use hash::block_hashes;
+pub use hash::{block_hashes, trace_chain};
 
 /// A block: its SGLang page hash, as a signed 64-bit int.
 pub type BlockHash = i64;
