@@ -32,6 +32,7 @@ from evolving_infra.engines.samples import (
     ForwardPassMetricsPublisher,
     ScheduledRequestMetrics,
 )
+from evolving_infra.router import ingest
 from evolving_infra.router.ingest import EventCounters, EventIngestor, SampleIngestor
 from evolving_infra.timing.samples import Sample
 from test_golden_sglang import INSERTED_CHAINS, MAP_BATCHES
@@ -182,6 +183,29 @@ def test_gap_beyond_the_buffer_clears_and_relearns(
     assert (c.gaps, c.gaps_repaired, c.nodes_cleared, c.batches) == (1, 0, 1, 6)
     lost = [r for r in logs if r["event"] == "kv events: history lost, node cleared and re-learned"]
     assert [(r["missing_from"], r["resumes_at"]) for r in lost] == [(1, 4)]
+
+
+def test_seqs_remembered_stay_bounded_across_lost_history(
+    ingestor: EventIngestor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seqs kept to tell a repeat from a restart are the last RECENT_SEQS applied, also
+    after the stream jumps over history lost beyond the buffer (the seqs before the jump were
+    once never dropped: a leak per lost stretch, for the router's whole life)."""
+    monkeypatch.setattr(ingest, "RECENT_SEQS", 8)
+    batches = roots(40)
+    with KvEventPublisher(LOOPBACK, LOOPBACK, buffer_steps=3) as pub:
+        connect(ingestor, 1, pub)
+        for k in range(6):
+            pub.publish_payload(batches[k])
+        settled(ingestor, 1, 6)
+        for k in range(6, 17):  # 6-13 lost beyond the buffer; 16 arrives, 14-16 replayed
+            pub.publish_payload(batches[k], deliver=k == 16)
+        settled(ingestor, 1, 17)
+        for k in range(17, 40):
+            pub.publish_payload(batches[k])
+        settled(ingestor, 1, 40)
+        assert ingestor.snapshot(1).nodes_cleared == 1
+        assert sorted(ingestor._engines[1].recent) == list(range(32, 40))
 
 
 def test_corrupt_batch_is_counted_and_skipped(

@@ -14,7 +14,10 @@ simulated engine and for tests, byte for byte as SGLang 0.5.23 does
 - replay, ROUTER: a client (DEALER) sends `[b"", start_seq (8-byte big-endian)]` and receives, for
   each buffered batch with `seq >= start_seq`, `[b"", topic, seq, payload]` exactly as it went
   live, then the end marker `[b"", b"", (-1 as 8-byte big-endian signed), b""]`. The buffer keeps
-  the last `buffer_steps` batches; older ones are gone.
+  the last `buffer_steps` batches (SGLang's bound), and here also no more than `buffer_bytes` of
+  payload (at least the newest batch): a batch of ~100k-token prompts' pages is tens of KiB, so
+  10,000 of them held hundreds of MiB per engine. Older ones are gone; a replay from before the
+  buffer starts at its first batch, which a client reads as a gap beyond the buffer.
 
 Two departures that change nothing on the wire: the live socket is an XPUB (a PUB that also sees
 subscriptions, so `wait_subscribed` can end the slow-joiner race without sleeping), and
@@ -211,6 +214,9 @@ def _should_bind(endpoint: str, bind: bool | None) -> bool:
 
 _STOP: Final = object()
 
+DEFAULT_REPLAY_BYTES: Final = 32 * 2**20
+"""The replay buffer's default bound on payload bytes (`KvEventPublisher.buffer_bytes`)."""
+
 
 class PublisherThread:
     """A ZMQ XPUB owned by one background thread, fed through a queue.
@@ -398,18 +404,25 @@ class KvEventPublisher(PublisherThread):
         *,
         topic: str = "",
         buffer_steps: int = 10_000,
+        buffer_bytes: int = DEFAULT_REPLAY_BYTES,
         hwm: int = 100_000,
         dp_rank: int = 0,
         bind: bool | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
+        if buffer_steps < 1 or buffer_bytes < 1:
+            raise ValueError(f"a replay buffer of {buffer_steps} batches, {buffer_bytes} bytes")
         super().__init__(
             offset_endpoint(endpoint, dp_rank), bind=bind, hwm=hwm, context=context,
             name="kv-event-publisher",
         )  # fmt: skip
         self.topic = topic.encode()
         self.dp_rank = dp_rank
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.buffer_steps = buffer_steps
+        self.buffer_bytes = buffer_bytes
+        # Touched by the publishing thread only (`_handle`, `_serve_replay`).
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffered_bytes = 0
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self._replay: zmq.Socket[bytes] | None = None
@@ -446,7 +459,17 @@ class KvEventPublisher(PublisherThread):
         if deliver:
             self._pub.send_multipart((self.topic, seq_bytes(seq), payload))
         # As SGLang: buffered after the send, so a replay never runs ahead of the live stream.
-        self._buffer.append((seq, payload))
+        buffer = self._buffer
+        buffer.append((seq, payload))
+        self._buffered_bytes += len(payload)
+        while len(buffer) > self.buffer_steps or (
+            self._buffered_bytes > self.buffer_bytes and len(buffer) > 1
+        ):
+            self._buffered_bytes -= len(buffer.popleft()[1])
+
+    def replay_buffer(self) -> tuple[int, int]:
+        """(batches, payload bytes) held for replay now (a snapshot from any thread)."""
+        return len(self._buffer), self._buffered_bytes
 
     def _sockets(self) -> list[zmq.Socket[bytes]]:
         return [] if self._replay is None else [self._replay]

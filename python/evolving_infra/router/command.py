@@ -13,6 +13,7 @@ import structlog
 from evolving_infra.router import config
 from evolving_infra.router.app import configure_json_logging
 from evolving_infra.router.daemon import RouterDaemon, RouterStartError
+from evolving_infra.soak import memtrace
 
 NAME = "router"
 HELP = config.HELP
@@ -25,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(cfg: config.RouterConfig) -> int:
     daemon = RouterDaemon(cfg)
+    memtrace.watch(daemon.memory_stats)
     try:
         await daemon.start()
     except (RouterStartError, OSError) as e:
@@ -48,4 +50,5 @@ def _counts(daemon: RouterDaemon) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     cfg = config.RouterConfig.from_args(args)
     configure_json_logging(cfg.log_level)
+    memtrace.install("router")  # opt-in: EVOLVING_INFRA_MEMTRACE
     return asyncio.run(serve(cfg))

@@ -415,6 +415,19 @@ class RouterDaemon:
             out["switches"] = list(self.planner.switches)
         return out
 
+    def memory_stats(self) -> dict[str, Any]:
+        """The sizes of what the router keeps, for memory traces (`soak/memtrace.py`)."""
+        d = self.directory.stats()
+        return {
+            "directory_blocks": d["blocks"],
+            "directory_placeholders": d["placeholders"],
+            "directory_locations": d["locations"],
+            "directory_branches": d["branches"],
+            "directory_bytes": d["memory_bytes"],
+            "branches_named": self.tracker.live,
+            "branches_anonymous": self.tracker.anonymous_live,
+        }
+
     async def wait(self) -> None:
         await self._stopped.wait()
 

@@ -440,7 +440,11 @@ class EventIngestor(_PollThread):
         with self._lock:
             e.next_seq = seq + 1
         e.recent[seq] = hash(payload)
-        e.recent.pop(seq - RECENT_SEQS, None)
+        if len(e.recent) > RECENT_SEQS:
+            # Seqs are applied in increasing order (`recent` is emptied when they go back), so
+            # the first key is the oldest; popping `seq - RECENT_SEQS` alone kept, after every
+            # jump over lost history, up to RECENT_SEQS stale ones for the process's life.
+            del e.recent[next(iter(e.recent))]
 
     def _salvage(self, node: int, payload: bytes) -> tuple[int, int]:
         """Applies a rejected batch one event at a time; (events applied, events rejected).

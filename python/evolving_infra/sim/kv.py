@@ -30,7 +30,7 @@ is then one `is None` test.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Literal, Protocol
 
 import numpy as np
@@ -108,6 +108,48 @@ class BlockParents:
             ref = None if up is None else self._at[up]
         path = np.array([x for part in reversed(parts) for x in part], dtype=np.int64)
         return path, len(path) - 1
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def prune(self, keep: Iterable[int]) -> int:
+        """Forgets every block that is neither in `keep` nor an ancestor of one of them (so the
+        known blocks of any chain stay a prefix of it, as `register` needs); returns how many
+        were forgotten. Linear in the blocks known.
+
+        The simulator registers the blocks of a finite trace and never prunes; a simulated
+        engine serves without end and prunes what no tier holds and no live request needs,
+        or the map grows by every page it ever saw (~100 bytes each; ~2,000 pages a second per
+        engine under the soak)."""
+        at, segments, ups = self._at, self._segments, self._up
+        bits, mask = self.INDEX_BITS, self._MASK
+        kept = [0] * len(segments)  # per segment, the length of its prefix that stays
+        for h in keep:
+            ref = at.get(h)
+            if ref is not None:
+                s, j = ref >> bits, ref & mask
+                kept[s] = max(kept[s], j + 1)
+        # A segment is created after the one holding its parent block (`register` finds the
+        # parent in `_at` first), so walking back, a kept segment keeps its parent's path.
+        for s in range(len(segments) - 1, -1, -1):
+            up = ups[s]
+            if kept[s] and up is not None:
+                ref = at[up]
+                p, j = ref >> bits, ref & mask
+                kept[p] = max(kept[p], j + 1)
+        new_at: dict[int, int] = {}
+        new_segments: list[list[int]] = []
+        new_ups: list[int | None] = []
+        for s, n in enumerate(kept):
+            if n:
+                base = len(new_segments) << bits
+                segment = segments[s] if n == len(segments[s]) else segments[s][:n]
+                new_segments.append(segment)
+                new_ups.append(ups[s])
+                new_at.update(zip(segment, range(base, base + n), strict=True))
+        forgotten = len(at) - len(new_at)
+        self._at, self._segments, self._up = new_at, new_segments, new_ups
+        return forgotten
 
     def register(self, chain: Sequence[int]) -> None:
         """Records a chain from a first page (chains are prefix-closed: the known blocks are a

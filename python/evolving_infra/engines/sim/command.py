@@ -25,7 +25,7 @@ from evolving_infra import logs
 from evolving_infra.argtypes import natural_int, positive_float, positive_int, secret
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.control.server import serve as serve_control
-from evolving_infra.engines.events import KvEventPublisher
+from evolving_infra.engines.events import DEFAULT_REPLAY_BYTES, KvEventPublisher
 from evolving_infra.engines.pool import DEFAULT_SCALE, MasterAddress, PoolError
 from evolving_infra.engines.samples import ForwardPassMetricsPublisher
 from evolving_infra.engines.sglang import command as sglang_command
@@ -34,6 +34,7 @@ from evolving_infra.engines.sim.http import build_app
 from evolving_infra.engines.sim.pool import parse_master, pool_config
 from evolving_infra.engines.sim.publish import ZmqKvSink
 from evolving_infra.engines.sim.service import SimEngine
+from evolving_infra.soak import memtrace
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "engine"
@@ -91,6 +92,7 @@ SIM_DEFAULTS: dict[str, Any] = {
     "no_prefetch": False,
     "kv_hold_seconds": 60.0,
     "pool_scale": DEFAULT_SCALE,
+    "kv_replay_mib": DEFAULT_REPLAY_BYTES / 2**20,
 }
 
 
@@ -147,6 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="do not fetch L2 blocks while queued")  # fmt: skip
     s("--kv-hold-seconds", type=positive_float, default=None,
       help="real seconds a prefill's KV waits for its decode engine (default: 60)")  # fmt: skip
+    s("--kv-replay-mib", type=positive_float, default=None, metavar="MIB",
+      help="KV-event batches kept for replay, at most this many MiB (and 10,000 batches, as"
+      f" SGLang; default: {d['kv_replay_mib']:g})")  # fmt: skip
     s("--pool-scale", type=positive_int, default=None,
       help=f"pool payload = real block bytes / this (default: {d['pool_scale']})")  # fmt: skip
     sglang_command.add_arguments(parser)
@@ -205,6 +210,7 @@ async def serve(args: argparse.Namespace) -> int:
             f"tcp://{zmq_host}:{args.kv_events_port or '*'}",
             f"tcp://{zmq_host}:{args.kv_replay_port or '*'}",
             bind=True,
+            buffer_bytes=replay_bytes(args),
         )
         fpm = ForwardPassMetricsPublisher(f"tcp://{zmq_host}:{args.samples_port or '*'}")
     except zmq.ZMQError as e:
@@ -218,6 +224,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     sink = ZmqKvSink(kv_pub, args.page_size)
     engine = SimEngine(settings, kv_sink=sink, sample_sink=fpm)
+    memtrace.watch(lambda: _memory_stats(engine, kv_pub))
     # A (re)started engine holds nothing: say so first, as SGLang's cache reset does, so that a
     # router that knew a previous incarnation forgets it.
     sink.all_blocks_cleared()
@@ -267,6 +274,16 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def replay_bytes(args: argparse.Namespace) -> int:
+    mib = args.kv_replay_mib if args.kv_replay_mib is not None else SIM_DEFAULTS["kv_replay_mib"]
+    return max(1, int(mib * 2**20))
+
+
+def _memory_stats(engine: SimEngine, kv_pub: KvEventPublisher) -> dict[str, int]:
+    batches, size = kv_pub.replay_buffer()
+    return {**engine.memory_stats(), "replay_batches": batches, "replay_bytes": size}
+
+
 def run(args: argparse.Namespace) -> int:
     misplaced = misplaced_options(args)
     if misplaced:
@@ -281,4 +298,5 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.backend == "sglang":
         return sglang_command.run(args)
+    memtrace.install(f"engine-{args.node_id}")  # opt-in: EVOLVING_INFRA_MEMTRACE
     return asyncio.run(serve(args))

@@ -67,6 +67,9 @@ from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
 
 log = structlog.get_logger("evolving_infra.engines.sim")
 VERSION = "0.1.0-sim"
+# Blocks the parent map may know beyond twice what was needed at its last pruning (~100 bytes a
+# block): pruning is linear in the map, so it runs once the map has doubled.
+PARENTS_SLACK = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,7 @@ class EngineCore:
         l2 = s.l2_blocks if s.l2_blocks is not None else c.l2_blocks(ps)
         self.directory = KvDirectory()
         self.parents = BlockParents()
+        self._parents_limit = PARENTS_SLACK
         self.events = CacheEvents(ps, kv_sink)
         self.pool = (
             None
@@ -319,7 +323,18 @@ class EngineCore:
             self.directory.branch_end(_branch(live.sim))
         if self.pool is not None:
             self.pool.release(live.sim.id)
+        self._prune_parents()
         self._changed.set()
+
+    def _prune_parents(self) -> None:
+        """Once the parent map has doubled, forgets the blocks that no tier holds and no live
+        request needs (they were registered for requests that ended and since evicted)."""
+        if len(self.parents) <= self._parents_limit:
+            return
+        held = self.events.held
+        live = (r.sim.hashes for r in self._live.values())
+        self.parents.prune(itertools.chain(held["L1"], held["L2"], *live))
+        self._parents_limit = 2 * len(self.parents) + PARENTS_SLACK
 
     # -- PD: the prefill side -----------------------------------------------------------------
 
@@ -546,6 +561,23 @@ class EngineCore:
             "iterations": self.env.seq,
             "simulated_time_s": self.env.now,
             "wall_time": time.time(),
+        }
+
+    def memory_stats(self) -> dict[str, int]:
+        """The sizes of what the engine keeps, for memory traces (`soak/memtrace.py`)."""
+        d = self.directory.stats()
+        return {
+            "live_requests": len(self._live),
+            "rooms": len(self._rooms),
+            "failed_rooms": len(self._failed_rooms),
+            "held_l1": len(self.events.held["L1"]),
+            "held_l2": len(self.events.held["L2"]),
+            "token_pages": len(self.events.tokens),
+            "parent_blocks": len(self.parents),
+            "hinted": len(self.hints.hinted),
+            "directory_blocks": d["blocks"],
+            "directory_branches": d["branches"],
+            "directory_bytes": d["memory_bytes"],
         }
 
     def holdings(self) -> dict[str, set[int]]:
