@@ -507,16 +507,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     def phase(name: str, label: str, o: list[int], d: list[int], blocks: int) -> None:
         phases.append(PhaseResult(name, label, stat(o, blocks), stat(d, blocks)))
 
-    # insert
-    d_ns = timed(dyn.apply, inp.dyn_stores)
-    o_ns = timed(ours.store, inp.ours_stores)
-    phase(
-        "insert",
-        f"store ≈{w.stored_blocks / len(w.stores):.0f}-block chain",
-        o_ns,
-        d_ns,
-        w.stored_blocks,
-    )
+    def insert(name: str, how: str, dyn: DynamoRunner, ours: OursRunner) -> None:
+        d_ns = timed(dyn.apply, inp.dyn_stores)
+        o_ns = timed(ours.store, inp.ours_stores)
+        label = f"store ≈{w.stored_blocks / len(w.stores):.0f}-block chain{how}"
+        phase(name, label, o_ns, d_ns, w.stored_blocks)
+
+    insert("insert", "", dyn, ours)
     # floor (on the full index)
     d_ns = timed(dyn.floor, n_floor)
     o_ns = timed(ours.floor, n_floor)
@@ -553,16 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         removed_blocks - n_app,
     )
     empty_after = {"ours": ours.is_empty(), "dynamo": dyn.is_empty()}
-    # insert again: warm memory
-    d_ns = timed(dyn.apply, inp.dyn_stores)
-    o_ns = timed(ours.store, inp.ours_stores)
-    phase(
-        "insert_warm",
-        f"store ≈{w.stored_blocks / len(w.stores):.0f}-block chain, warm",
-        o_ns,
-        d_ns,
-        w.stored_blocks,
-    )
+    insert("insert_warm", ", warm", dyn, ours)  # the same stores into memory both have used
     del dyn, ours
 
     where = "one pinned core" if cpu is not None else "unpinned"

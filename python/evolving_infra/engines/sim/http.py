@@ -159,8 +159,10 @@ async def _send(response: web.StreamResponse, payload: Any) -> None:
 async def _stream(
     request: web.Request, live: LiveRequest, chunk: Callable[[int, bool], list[Any]]
 ) -> web.StreamResponse:
-    response = await _sse(request)
+    response: web.StreamResponse | None = None
     try:
+        # Inside the try: a client may leave before the headers are even sent.
+        response = await _sse(request)
         try:
             async for n, done in live.updates():
                 for payload in chunk(n, done):
@@ -173,7 +175,8 @@ async def _stream(
     except (ConnectionResetError, ConnectionError):
         # The client went away; the engine still finishes the request (see docs).
         log.info("client_gone", rid=live.rid)
-    return response
+    # Nothing reaches a client that left before the headers; aiohttp wants a response all the same.
+    return response if response is not None else web.Response(status=499)
 
 
 def _accept(request: web.Request, spec: GenerateSpec) -> LiveRequest:
