@@ -10,6 +10,7 @@ import sys
 
 import structlog
 
+from evolving_infra import malloc
 from evolving_infra.router import config
 from evolving_infra.router.app import configure_json_logging
 from evolving_infra.router.daemon import RouterDaemon, RouterStartError
@@ -50,5 +51,6 @@ def _counts(daemon: RouterDaemon) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     cfg = config.RouterConfig.from_args(args)
     configure_json_logging(cfg.log_level)
+    malloc.tune()
     memtrace.install("router")  # opt-in: EVOLVING_INFRA_MEMTRACE
     return asyncio.run(serve(cfg))

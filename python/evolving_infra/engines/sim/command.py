@@ -21,7 +21,7 @@ import structlog
 import zmq
 from aiohttp import web
 
-from evolving_infra import logs
+from evolving_infra import logs, malloc
 from evolving_infra.argtypes import natural_int, positive_float, positive_int, secret
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.control.server import serve as serve_control
@@ -298,5 +298,6 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.backend == "sglang":
         return sglang_command.run(args)
+    malloc.tune()
     memtrace.install(f"engine-{args.node_id}")  # opt-in: EVOLVING_INFRA_MEMTRACE
     return asyncio.run(serve(args))
