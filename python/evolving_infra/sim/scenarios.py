@@ -279,9 +279,9 @@ def _scenarios() -> dict[str, Scenario]:
         (planner_ablation, lost_reuse),
     )
     for gpus, wall in (
-        (36, "~8 min / ~30 s"),
-        (256, "~1.5 h / ~30 s"),
-        (3072, "many hours / ~70 s"),
+        (36, "~1 min / ~30 s"),
+        (256, "~16 min / ~30 s"),
+        (3072, "~2.5 h / ~70 s"),
     ):
         out[f"scale-{gpus}"] = Scenario(
             f"scale-{gpus}",
