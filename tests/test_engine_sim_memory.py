@@ -26,13 +26,13 @@ from evolving_infra.engines.events import (
     DEFAULT_REPLAY_BYTES,
     END_SEQ,
     KvEventPublisher,
-    seq_bytes,
 )
 from evolving_infra.engines.sim import command, core
 from evolving_infra.engines.sim.core import EngineCore
 from evolving_infra.engines.sim.requests import GenerateSpec
 from evolving_infra.sim.kv import BlockParents
 from evolving_infra.soak import memtrace
+from test_engine_events import replay
 from test_engine_sim_helpers import PAGE, RecordingSink, settings
 
 Socket = zmq.Socket[bytes]
@@ -47,21 +47,6 @@ def logs() -> Iterator[list[MutableMapping[str, Any]]]:
 
 # ------------------------------------------------------------------------------------------------
 # the replay buffer
-
-
-def replay(ctx: zmq.Context[Socket], endpoint: str, start: int) -> list[list[bytes]]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.linger = 0
-    dealer.rcvtimeo = 5000
-    dealer.connect(endpoint)
-    dealer.send_multipart([b"", seq_bytes(start)])
-    replies = []
-    while True:
-        frames = dealer.recv_multipart()
-        replies.append(frames)
-        if frames[2] == END_SEQ:
-            dealer.close()
-            return replies
 
 
 def test_replay_buffer_is_bounded_by_bytes() -> None:
