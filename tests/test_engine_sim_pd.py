@@ -100,6 +100,11 @@ def test_decode_without_a_prefill_fails_and_releases_its_kv() -> None:
             status, out = await p.post("/generate", pd_body(prompt(4, 20), 4, p.port, room=10))
             assert status == 504
             assert p.engine.kv.pinned == 0
+            # Neither kept the token ids of pages it never held (under a soak, requests that
+            # never ran left 900k pages an engine).
+            assert not d.engine.events.tokens
+            held = p.engine.holdings()
+            assert set(p.engine.events.tokens) <= held["L1"] | held["L2"]
 
     asyncio.run(main())
 

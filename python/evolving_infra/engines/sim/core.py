@@ -321,6 +321,11 @@ class EngineCore:
         self._by_sim.pop(live.sim.id, None)
         if live.sim.hashes:
             self.directory.branch_end(_branch(live.sim))
+            # The token ids of its pages that no tier holds: a request that never ran (a PD
+            # prefill no decode engine claimed) stores nothing, so no eviction would sweep
+            # them (`CacheEvents.removed`); under the soak they reached 900k pages an engine.
+            self.events.forget(live.sim.hashes)
+            self.events.forget(live.sim.out_hashes)
         if self.pool is not None:
             self.pool.release(live.sim.id)
         self._prune_parents()
