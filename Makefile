@@ -83,11 +83,11 @@ fmt: $(STAMP) ## format Rust and Python
 # Six engines, so that two decode engines remain when one is killed; a host KV tier of 50,000
 # pages per engine, which fills within the run (the default, 1 TiB per 8 GPUs, takes hours), so
 # memory levels off where a long-running engine's would.
-SOAK_ARGS ?= --agents 200 --duration 600 --kill-engine-at 200 --restart-router-at 400 \
+SOAK_ARGS ?= --agents 200 --duration 1800 --kill-engine-at 200 --restart-router-at 400 \
 	--engines 6 --l2-blocks 50000 --speed 1 --time-scale 50 --gpu h200-sxm --no-pool \
 	--request-timeout 120
 
-soak: build ## 200 agents for 10 min on a loopback cluster, an engine killed, the router restarted (not in `make test`)
+soak: build ## 200 agents for 30 min on a loopback cluster, an engine killed, the router restarted (not in `make test`)
 	mkdir -p out
 	$(VENV)/bin/evolving-infra soak $(SOAK_ARGS) --log-dir out/soak-logs --json > out/soak.json
 	$(PY) -m json.tool out/soak.json

@@ -51,8 +51,9 @@ DESCRIPTION = (
     __doc__.split("\n", 2)[2]
     + """
 example (what `make soak` runs):
-  evolving-infra soak --agents 200 --duration 600 --kill-engine-at 200 --restart-router-at 400 \
-      --speed 1 --time-scale 50 --gpu h200-sxm
+  evolving-infra soak --agents 200 --duration 1800 --kill-engine-at 200 --restart-router-at 400 \
+      --engines 6 --l2-blocks 50000 --speed 1 --time-scale 50 --gpu h200-sxm --no-pool \
+      --request-timeout 120
 """
 )
 
