@@ -221,6 +221,7 @@ def test_split_memory_settles_expires_and_ignores_switches() -> None:
     assert m.measured(2) == pytest.approx(5.0)  # 0.5 computed where 0.1 was estimated
     assert m.measured(3) is None
     assert m.loss(3) == pytest.approx(5.0)  # untried: as good as the best tried
+    assert m.losses([1, 2, 3]) == [m.loss(1), m.loss(2), m.loss(3)]
     m.note(300, Split(2, 2), s[:5], switching=True)  # a switch in flight: nothing counts
     m.note(360, Split(3, 1), s[:6], switching=False)
     m.note(420, Split(3, 1), s[:7], switching=False)

@@ -124,7 +124,7 @@ class EvolvingPlanner(PlannerGate):
         xs = np.arange(1, n)  # prefill nodes of each candidate
         # μ_P per slice at each candidate's loss of cached blocks (`hits`); one row per distinct
         # loss: untried candidates share one.
-        losses = [self.memory.loss(int(x)) for x in xs]
+        losses = self.memory.losses([int(x) for x in xs])
         factors = [1.0 if f is None else f for f in losses]
         rows = {f: self._prefill_rates(model, mix, f) for f in set(factors)}
         mu_p = np.stack([rows[f] for f in factors], axis=1)  # (slices, candidates)

@@ -76,6 +76,12 @@ class SplitMemory:
         tried = self.tried()
         return min(tried.values()) if tried else None
 
+    def losses(self, candidates: Sequence[int]) -> list[float | None]:
+        """`loss` of each candidate (prefill nodes), the tried splits' figures computed once."""
+        tried = self.tried()
+        best = min(tried.values()) if tried else None
+        return [tried.get(x, best) for x in candidates]
+
     def measured(self, prefill_nodes: int) -> float | None:
         """How many times the estimated uncached share the prefills computed at this split
         (1: the estimate held; > 1: cached blocks were lost before their requests ran); None
