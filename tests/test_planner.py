@@ -69,10 +69,10 @@ def jitter(rng: random.Random, x: float, by: float = 0.1) -> int:
     return round(x * rng.uniform(1 - by, 1 + by))
 
 
-def window(shape: tuple[int, int, int], seed: int = 0) -> list[SliceStats]:
+def window(shape: tuple[int, int, int], seed: int = 0, n: int = 10) -> list[SliceStats]:
     rng = random.Random(seed)
     u, c, o = shape
-    return [sl(k, jitter(rng, u), jitter(rng, c), max(jitter(rng, o), 1)) for k in range(10)]
+    return [sl(k, jitter(rng, u), jitter(rng, c), max(jitter(rng, o), 1)) for k in range(n)]
 
 
 PREFILL_HEAVY = (16_000, 0, 30)  # long fresh prompts, a few output tokens
@@ -154,12 +154,7 @@ def ticks(
 ) -> list[Split | None]:
     """`minutes` one-minute decisions at `split` (not carried out) from minute `start`, each
     handed the last ten AGENTIC slices, whose prefills found `found` of the prompt uncached."""
-    rng = random.Random(seed)
-    u, c, o = AGENTIC
-    slices = [
-        ran(sl(k, jitter(rng, u), jitter(rng, c), max(jitter(rng, o), 1)), found)
-        for k in range(start + minutes)
-    ]
+    slices = [ran(s, found) for s in window(AGENTIC, seed, start + minutes)]
     out = []
     for k in range(start, start + minutes):
         planner.in_flight = False  # the decision is not carried out: ask again next minute
