@@ -18,6 +18,9 @@ use crate::wide::WideLists;
 use crate::{check_time, BlockHash, BranchId, Error, NodeId, Place, Result, Tier};
 use hashbrown::HashTable;
 
+/// How many blocks ahead `store` starts loading the holders of a known prefix's blocks.
+const PREFETCH_HOLDERS: usize = 4;
+
 /// How much of a query chain each place holds (the result of [`Directory::match_prefix`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
@@ -331,6 +334,10 @@ impl Directory {
         let mut ctx = self.chain_place(place);
         let mut prev = parent_idx;
         for (i, &idx) in slots[..known].iter().enumerate() {
+            if let Some(&ahead) = slots[..known].get(i + PREFETCH_HOLDERS) {
+                // Where this place's entry was in the last block is where it most likely is there.
+                self.blocks.get(ahead).holders.prefetch(ctx.hint());
+            }
             self.add_holder(idx, &mut ctx, now, i < last, i > 0);
             prev = idx;
         }
@@ -517,6 +524,17 @@ impl Directory {
     /// Applies a decoded batch (see [`Directory::apply_events`]).
     pub fn apply_batch(&mut self, node: NodeId, batch: &EventBatch, now: f64) -> Result<usize> {
         let now = check_time(now)?;
+        // A batch of one store (an engine iteration that cached one chain, the common case) is
+        // exactly a `store`: it validates while it looks blocks up, and fails with nothing changed.
+        if let [Event::Stored {
+            hashes,
+            parent,
+            tier: Some(tier),
+        }] = batch.events.as_slice()
+        {
+            self.store(node, *tier, hashes, *parent, now)?;
+            return Ok(1);
+        }
         let mut overlay = Overlay::new();
         // Per event: whether its chain touches a block an earlier event of the batch creates. If
         // not, what validation found unknown is still unknown when the event applies, and the

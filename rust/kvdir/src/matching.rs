@@ -12,6 +12,8 @@
 //! nodes checked against the block's holders. A 100-block query shared by 64 nodes thus costs about
 //! 100 look-ups plus one check per drop-out, not 6,400 holder visits.
 
+use smallvec::SmallVec;
+
 use crate::directory::{Directory, PrefixMatch};
 use crate::table::{Block, Holder, NIL};
 use crate::wide::Kind;
@@ -34,7 +36,10 @@ impl Directory {
     /// How much of the query chain (from its first page) each node, the pool and the cluster hold.
     #[must_use]
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> PrefixMatch {
-        let mut path = self.walk(hashes);
+        // Look every block up before using any: a tight loop of independent look-ups keeps
+        // several cache misses in flight, where the counting below would hold up the next one.
+        let path: SmallVec<[u32; 128]> = self.walk(hashes).collect();
+        let mut path = path.into_iter();
         let Some(first) = path
             .next()
             .map(|i| self.blocks.get(i))
