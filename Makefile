@@ -114,7 +114,7 @@ bench-py: build ## pytest-benchmark of the Python API
 bench-dynamo: build ## side by side with NVIDIA Dynamo's RadixTree (installs ai-dynamo-runtime 1.6.1)
 	$(PIP) install --quiet --no-deps ai-dynamo-runtime==1.6.1
 	$(PIP) install --quiet "pydantic>=2.10.6,<=2.13.5" "uvloop>=0.21.0"
-	$(PY) benches/compare_dynamo.py
+	OPENBLAS_NUM_THREADS=1 $(PY) benches/compare_dynamo.py
 
 clean: ## remove build outputs and .venv
 	cargo clean

@@ -25,10 +25,11 @@ medians and p99 in µs over all calls of a phase, with the cyclic GC off during 
 Memory per block is the RSS delta of a fresh subprocess per system and case: A = 1M blocks as
 10k disjoint 100-block chains on 1 worker, B = 100k blocks held by 16 workers each.
 
-Run: `make bench-dynamo` (= `.venv/bin/python benches/compare_dynamo.py`). Options: --seed,
---queries, --quick (smaller sizes, a smoke run), --json OUT (all figures), --no-pin (do not pin
-the process, Dynamo's tree thread included, to one core; unpinned, Dynamo pays a thread wake-up
-per call).
+Run: `make bench-dynamo` (= `OPENBLAS_NUM_THREADS=1 .venv/bin/python benches/compare_dynamo.py`:
+numpy's BLAS threads, pinned to the same core, would otherwise spin beside the timed loops).
+Options: --seed, --queries, --quick (smaller sizes, a smoke run), --json OUT (all figures),
+--no-pin (do not pin the process, Dynamo's tree thread included, to one core; unpinned, Dynamo
+pays a thread wake-up per call).
 
 Install Dynamo's binding without its heavy dependencies:
 `.venv/bin/pip install --no-deps ai-dynamo-runtime==1.6.1` then
