@@ -215,7 +215,7 @@ def test_split_memory_settles_expires_and_ignores_switches() -> None:
     m.note(240, Split(2, 2), s[:4], switching=False)
     assert m.measured(2) == pytest.approx(5.0)  # 0.5 computed where 0.1 was estimated
     assert m.measured(3) is None
-    assert m.loss(3) == pytest.approx(5.0)  # untried: as good as the best tried
+    assert m.loss(3) == pytest.approx(5.0)  # untried: the nearest tried split's
     assert m.losses([1, 2, 3]) == [m.loss(1), m.loss(2), m.loss(3)]
     m.note(300, Split(2, 2), s[:5], switching=True)  # a switch in flight: nothing counts
     m.note(360, Split(3, 1), s[:6], switching=False)
@@ -226,6 +226,45 @@ def test_split_memory_settles_expires_and_ignores_switches() -> None:
     assert set(m.tried()) == {3}
     with pytest.raises(ValueError, match="min_prefills"):
         SplitMemory(min_prefills=0)
+
+
+def settled(m: SplitMemory, split: Split, share: float, minutes: int, start: int = 0) -> None:
+    """`minutes` one-minute decisions at `split` from minute `start`, each slice's prefills
+    finding `share` of the prompt uncached where placements estimated 0.1."""
+    s = [ran(sl(k, 1_000, 9_000, 100), share) for k in range(start + minutes)]
+    for k in range(start, start + minutes):
+        m.note(60.0 * (k + 1), split, s[max(0, k - 9) : k + 1], switching=False)
+
+
+def test_split_memory_interpolates_untried_splits_between_tried_ones() -> None:
+    """Losses grow with the prefill nodes in cc-high (4.1 at 3P6D, 7.2 at 4P5D, 16.3 at 5P4D):
+    an untried split between two tried ones gets the line between their losses, one beyond
+    them the nearest one's, not the best tried one's (which made every untried neighbour of a
+    good split look better than it)."""
+    m = SplitMemory(settle_s=120, memory_s=3600, min_prefills=10)
+    settled(m, Split(2, 6), 0.2, 5)  # loss 2
+    settled(m, Split(6, 2), 0.6, 5, start=5)  # loss 6
+    assert m.tried() == {2: pytest.approx(2.0), 6: pytest.approx(6.0)}
+    assert m.losses([1, 2, 3, 4, 5, 6, 7]) == pytest.approx([2, 2, 3, 4, 5, 6, 6])
+    assert m.loss(4) == pytest.approx(4.0)
+
+
+def test_split_memory_keeps_the_running_splits_figure_until_newer_slices_replace_it() -> None:
+    """Evidence expires after `memory_s`, except the running split's: its old figure stays
+    until its own newer slices reach `min_prefills`, so a split the planner came back to is not
+    forgotten while it settles again (in cc-high, forgetting 3P6D that way sent the planner to
+    an untried split)."""
+    m = SplitMemory(settle_s=120, memory_s=600, min_prefills=10)
+    settled(m, Split(3, 3), 0.4, 4)  # settled slices end at minutes 3 and 4: loss 4
+    settled(m, Split(2, 4), 0.2, 8, start=4)  # minutes 5-12; settled from minute 8: loss 2
+    m.note(60.0 * 13, Split(3, 3), [], switching=True)  # back to 3P3D
+    settled(m, Split(3, 3), 0.8, 2, start=13)  # minutes 14-15: its transient, no evidence yet
+    # Minute 4's slice ended 660 s before minute 15, past memory_s: 3P3D runs, so it stays.
+    assert m.measured(3) == pytest.approx(4.0)
+    assert m.measured(2) == pytest.approx(2.0)  # not expired yet either (ended at minute 12)
+    settled(m, Split(3, 3), 0.8, 10, start=15)  # settled from minute 18: the mix changed
+    assert m.measured(3) == pytest.approx(8.0)  # the old figure gave way to the new slices
+    assert m.measured(2) is None  # 2P4D is not running: its slices expired
 
 
 def test_evolving_does_not_flip_on_one_bursty_slice() -> None:

@@ -13,17 +13,26 @@ current split's prefills sees every split as bad as the one it is at, and stays 
 So the planner remembers, per split it has run (settled: a full planner window after the switch
 that brought it, whose transient, a backlog draining, lasted up to 8 minutes in cc-high), how
 the prefills' uncached share compared with the placements' estimate (the split's *loss*), and
-sizes a candidate's prefill work by it. A split not run recently is assumed as good as the best
-split that was: optimism calibrated by evidence. (Uncalibrated, with the bare estimate, every
-untried split looked several times better than the best tried one, and the planner toured them
-all.) A bad move is seen and not repeated while it is remembered; with no evidence at all (a
-fresh start, or a mix whose placements are right) the estimate stands.
+sizes a candidate's prefill work by it. A split not run recently gets the loss of the splits
+that did, as a function of the number of prefill nodes: between two tried splits, the straight
+line between their losses; beyond them, the nearest one's. (Uncalibrated, with the bare
+estimate, every untried split looked several times better than the best tried one, and the
+planner toured them all. Assuming an untried split as good as the best tried one still toured:
+in cc-high the losses were 4.1 at 3P6D, 7.2 at 4P5D and 16.3 at 5P4D, growing with the prefill
+nodes, and the best tried loss made each untried neighbour look better than the split it had.)
+The running split's figure does not expire while the split runs, until its own newer slices
+replace it: when it came back to 3P6D, the planner forgot 3P6D's figure while that split was
+settling again and left it for an untried split. A bad move is seen and not repeated while it
+is remembered; with no evidence at all (a fresh start, or a mix whose placements are right)
+the estimate stands.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+
+import numpy as np
 
 from evolving_infra.planner.base import SliceStats, Split
 
@@ -63,24 +72,29 @@ class SplitMemory:
                     s.prefilled_uncached_tokens,
                 )
             )
-        for seen in self._seen.values():
+        running = self._split.prefill if self._split is not None else None
+        for x, seen in self._seen.items():
             while seen and seen[0][0] <= now - self.memory_s:
+                # The running split keeps old evidence until newer slices suffice on their own.
+                if x == running and sum(e[3] for e in list(seen)[1:]) < self.min_prefills:
+                    break
                 seen.popleft()
 
     def loss(self, prefill_nodes: int) -> float | None:
         """The loss to size this split by: its own if it ran, settled, within memory; else the
-        least of the splits that did; None when none did."""
-        own = self.measured(prefill_nodes)
-        if own is not None:
-            return own
-        tried = self.tried()
-        return min(tried.values()) if tried else None
+        tried splits' losses interpolated (between two of them) or the nearest one's (beyond);
+        None when none ran."""
+        return self.losses([prefill_nodes])[0]
 
     def losses(self, candidates: Sequence[int]) -> list[float | None]:
         """`loss` of each candidate (prefill nodes), the tried splits' figures computed once."""
         tried = self.tried()
-        best = min(tried.values()) if tried else None
-        return [tried.get(x, best) for x in candidates]
+        if not tried:
+            return [None] * len(candidates)
+        xs = sorted(tried)
+        # np.interp holds the end values beyond the tried range: the nearest tried split's loss.
+        ys = np.interp(candidates, xs, [tried[x] for x in xs])
+        return [tried.get(x, float(y)) for x, y in zip(candidates, ys, strict=True)]
 
     def measured(self, prefill_nodes: int) -> float | None:
         """How many times the estimated uncached share the prefills computed at this split
