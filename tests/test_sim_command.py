@@ -27,6 +27,7 @@ def test_writes_results_table_and_timelines(
     args = parse(
         *("--workload", "osworld", "--gpus", "12", "--agents", "3", "--duration", "240"),
         *("--policies", "evolving,dynamo,arrow,best-static", "--out", str(out), "--no-progress"),
+        *("--jobs", "2"),
     )
     assert command.run(args) == 0
     results = json.loads((out / "results.json").read_text())
@@ -63,6 +64,12 @@ def test_runs_on_trace_files(tmp_path: Path) -> None:
     assert command.run(args) == 0
     results = json.loads((tmp_path / "o" / "results.json").read_text())
     assert results["policies"]["static:1P1D"]["issued"] > 0
+
+
+def test_jobs_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--jobs", "0")
+    assert "--jobs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,22 @@ def test_same_seed_same_results_and_another_seed_differs() -> None:
     assert strip_runtime(a) != strip_runtime(c)  # the ground truth's noise follows the seed
 
 
+def test_policies_run_in_processes_give_the_same_results() -> None:
+    """`jobs=3`: three forked workers for four runs (best-static's splits included) give the
+    figures of one run after the other, in the same order, and runtime entries for every run."""
+    trace = cc_trace(agents=3, duration=300)
+    config = SimConfig(gpus=12, duration=600, seed=2)
+    names = ["evolving", "dynamo", BEST_STATIC]
+    one = compare(trace, config, names)
+    many = compare(trace, config, names, jobs=3)
+    assert strip_runtime(many) == strip_runtime(one)
+    assert list(many["policies"]) == list(one["policies"])
+    runs = {"evolving", "dynamo", "static:1P2D", "static:2P1D"}
+    assert set(many["runtime"]) == set(one["runtime"]) == runs
+    with pytest.raises(ValueError, match="jobs"):
+        compare(trace, config, names, jobs=0)
+
+
 def in_system(cluster: Cluster) -> list[SimRequest]:
     """Every issued, unanswered request, found where it sits (queues, batches, transfers)."""
     out: list[SimRequest] = [*cluster.pending_prefill, *cluster.pending_decode]

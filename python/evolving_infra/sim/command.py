@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="output folder (default: sim-results)"
     )
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="policies run at once, each in its own forked process with its own cluster state "
+        "(memory grows with each); results are the same as one at a time (default: 1)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -94,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise WorkloadError(str(e)) from None
     trace = load_trace(args)
     try:
-        results = compare(trace, config, names, progress=not args.no_progress)
+        results = compare(trace, config, names, progress=not args.no_progress, jobs=args.jobs)
     except ValueError as e:  # an unknown policy name, a split that does not fit
         raise WorkloadError(str(e)) from None
     out: Path = args.out

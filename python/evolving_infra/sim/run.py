@@ -1,11 +1,16 @@
 """Running policies on a trace: `simulate` one, `compare` several (JSON-ready results).
 
 `compare` expands `best-static` into every split run as `static:xPyD` and reports the one with
-the highest throughput (and every split's throughput under `splits`).
+the highest throughput (and every split's throughput under `splits`). With `jobs` > 1 it runs
+that many policies at once in forked processes: each inherits the trace and the policies
+(nothing is pickled on the way in, only each run's `Result` on the way back), and the results
+are the same as one after the other, since every run depends only on the trace, the config and
+its policy.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -79,10 +84,14 @@ def compare(
     policies: Sequence[str | PolicySpec],
     *,
     progress: bool = False,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Every policy on the same trace and cluster: `{"policies": {name: figures}, "config":
     {...}, "trace": {...}, "runtime": {run: speed}}`, JSON-ready (per-minute timelines under
-    each policy). Everything but `runtime` is a function of the inputs and the seed."""
+    each policy). Everything but `runtime` is a function of the inputs and the seed. `jobs`:
+    runs at once (forked processes; see the module docstring)."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     block_size = config.block_size or trace.block_size
     out: dict[str, Any] = {
         "policies": {},
@@ -103,16 +112,19 @@ def compare(
             runs.extend((BEST_STATIC, static(s)) for s in static_splits(config.nodes))
         else:
             runs.append((p, policy(p, config.nodes)))
-    horizon = config.duration
+    specs = [spec for _, spec in runs]
+    if jobs > 1 and len(runs) > 1:
+        results = _in_processes(trace, config, specs, jobs, progress)
+    else:
+        with _bar(progress, len(runs), config.duration) as bar:
+            results = [simulate(trace, config, spec, bar(spec.name)) for spec in specs]
     statics: dict[str, Result] = {}
-    with _bar(progress, len(runs), horizon) as bar:
-        for label, spec in runs:
-            result = simulate(trace, config, spec, bar(spec.name))
-            out["runtime"][spec.name] = result.runtime()
-            if label == BEST_STATIC:
-                statics[spec.name] = result
-            else:
-                out["policies"][label] = result.to_dict()
+    for (label, spec), result in zip(runs, results, strict=True):
+        out["runtime"][spec.name] = result.runtime()
+        if label == BEST_STATIC:
+            statics[spec.name] = result
+        else:
+            out["policies"][label] = result.to_dict()
     if statics:
         best = max(statics.values(), key=lambda r: r.summary["throughput_tokens_per_s"])
         figures = best.to_dict()
@@ -123,6 +135,56 @@ def compare(
         }
         out["policies"][BEST_STATIC] = figures
     return out
+
+
+# What forked workers run: set just before the pool forks, so that the children inherit the
+# trace and the policies' factories (closures, which do not pickle) instead of receiving them.
+_SHARED: tuple[Trace, SimConfig, list[PolicySpec]] | None = None
+
+
+def _simulate_shared(i: int) -> tuple[int, Result]:
+    assert _SHARED is not None, "only called in a worker forked by _in_processes"
+    trace, config, specs = _SHARED
+    return i, simulate(trace, config, specs[i])
+
+
+def _in_processes(
+    trace: Trace, config: SimConfig, specs: list[PolicySpec], jobs: int, progress: bool
+) -> list[Result]:
+    """`simulate` of every spec, up to `jobs` at once in forked processes, in `specs`' order."""
+    global _SHARED
+    _SHARED = (trace, config, specs)
+    out: list[Result | None] = [None] * len(specs)
+    try:
+        # Fork (not spawn): the trace may be gigabytes, shared copy-on-write. The pool forks
+        # before the progress bar starts its refresh thread.
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(specs))) as pool:
+            done = pool.imap_unordered(_simulate_shared, range(len(specs)))
+            with _count_bar(progress, len(specs), jobs) as advance:
+                for i, result in done:
+                    out[i] = result
+                    advance(specs[i].name)
+    finally:
+        _SHARED = None
+    return [r for r in out if r is not None]
+
+
+@contextmanager
+def _count_bar(enabled: bool, runs: int, jobs: int) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar on stderr (TTY only) counting finished runs."""
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield lambda name: None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} runs"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(f"{runs} runs, {min(jobs, runs)} at a time", total=runs)
+        yield lambda name: bar.update(task, advance=1, description=f"last done: {name}")
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from evolving_infra.argtypes import natural_int
+from evolving_infra.argtypes import natural_int, positive_int
 from evolving_infra.sim.run import main_table
 from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, run_scenario
 from evolving_infra.workloads.errors import WorkloadError
@@ -25,7 +25,7 @@ concurrency levels, the shifting mix, initial splits converging, the no-planner 
 36 / 256 / 3,072 GPUs. Each is one or more `sim` comparisons.
 
   scenario list                          names, what each shows, the claim, expected wall time
-  scenario run NAME [--quick] [--seed K] [--out DIR]
+  scenario run NAME [--quick] [--seed K] [--out DIR] [--jobs N]
 
 `run` writes DIR/NAME/results.json (every run's results as `sim` writes them, under "runs", and
 the verdicts under "claims") and DIR/NAME/report.md (a table per run, the split over time for
@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--out", type=Path, default=Path("scenario-results"), help="(default: scenario-results)"
     )
+    run.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="policies simulated at once, each in a forked process (memory grows with each); "
+        "results are the same as one at a time (default: 1)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -51,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         _list()
         return 0
     size = Size(quick=args.quick, seed=args.seed)
-    path = run_to(args.name, size, args.out, progress=not args.no_progress)
+    path = run_to(args.name, size, args.out, progress=not args.no_progress, jobs=args.jobs)
     print(path.read_text(encoding="utf-8"), end="")
     print(f"wrote {path.parent}/results.json and report.md", file=sys.stderr)
     return 0
@@ -66,7 +73,7 @@ def _list() -> None:
     Console().print(table)
 
 
-def run_to(name: str, size: Size, out: Path, *, progress: bool = False) -> Path:
+def run_to(name: str, size: Size, out: Path, *, progress: bool = False, jobs: int = 1) -> Path:
     """Runs scenario `name` and writes OUT/NAME/results.json and report.md; returns the
     report's path."""
     if name not in SCENARIOS:
@@ -80,7 +87,7 @@ def run_to(name: str, size: Size, out: Path, *, progress: bool = False) -> Path:
 
     start = time.perf_counter()
     try:
-        results = run_scenario(scenario, size, progress=progress, on_run=on_run)
+        results = run_scenario(scenario, size, progress=progress, on_run=on_run, jobs=jobs)
     except ValueError as e:  # a configuration that does not fit (e.g. a test override)
         raise WorkloadError(str(e)) from None
     results["wall_s"] = time.perf_counter() - start

@@ -127,9 +127,9 @@ class ScenarioRun:
     config: SimConfig
     policies: tuple[str | PolicySpec, ...]
 
-    def execute(self, progress: bool = False) -> dict[str, Any]:
+    def execute(self, progress: bool = False, jobs: int = 1) -> dict[str, Any]:
         trace = self.workload.trace(self.config.seed)
-        results = compare(trace, self.config, self.policies, progress=progress)
+        results = compare(trace, self.config, self.policies, progress=progress, jobs=jobs)
         results["workload"] = dataclasses.asdict(self.workload)
         return results
 
@@ -304,9 +304,11 @@ def run_scenario(
     *,
     progress: bool = False,
     on_run: Callable[[int, int, ScenarioRun], None] | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Runs every run of `scenario`: `{"scenario", "quick", "seed", "runs": {label: compare's
-    results}, "claims": [verdicts]}`, JSON-ready. `on_run(i, n, run)` is called before each."""
+    results}, "claims": [verdicts]}`, JSON-ready. `on_run(i, n, run)` is called before each;
+    `jobs`: policies of a run simulated at once (`run.compare`)."""
     runs = scenario.runs(size)
     out: dict[str, Any] = {
         "scenario": scenario.name,
@@ -319,7 +321,7 @@ def run_scenario(
     for i, run in enumerate(runs):
         if on_run is not None:
             on_run(i, len(runs), run)
-        out["runs"][run.label] = run.execute(progress)
+        out["runs"][run.label] = run.execute(progress, jobs)
     out["claims"] = [dataclasses.asdict(v) for v in check_all(scenario.checks, out["runs"])]
     return out
 
