@@ -143,10 +143,6 @@ def test_pruned_parents_keep_the_paths_of_what_they_keep(seed: int) -> None:
             assert (list(path), j) == (list(want), i)
         else:
             assert h not in pruned
-    # Runs of kept blocks are cut as before; forgotten blocks are left out.
-    for c in chains:
-        blocks = [h for h in c if h in needed]
-        assert pruned.runs(blocks) == full.runs(blocks)
     # Registering again after a prune (a forgotten block comes back) works as on a fresh map.
     for c in chains:
         pruned.register(c)

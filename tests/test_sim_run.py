@@ -16,9 +16,11 @@ from evolving_infra.planner.slices import Slices
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.kv import BlockParents
 from evolving_infra.sim.planning import node_samples, sample_nodes
 from evolving_infra.sim.policies import PolicySpec, policy, static
 from evolving_infra.sim.run import BEST_STATIC, compare
+from evolving_infra.workloads.blocks import PromptHasher
 from evolving_infra.workloads.generators import SlotPlan, generate
 from evolving_infra.workloads.model import Trace
 from evolving_infra.workloads.stats import trace_stats
@@ -134,7 +136,14 @@ def test_the_directory_holds_what_the_nodes_say(name: str) -> None:
     stats = d.stats()
     assert sum(n.kv.l1_held for n in cluster.nodes) == stats["locations_l1"]
     assert sum(n.kv.l2_held for n in cluster.nodes) == stats["locations_l2"]
-    pos = cluster.parents.pos
+    # Every block the cluster saw is a block of some prompt of the trace (a response's blocks
+    # are the next prompt's): their chains, recorded here, give each leaf's path.
+    chains, hasher = BlockParents(), PromptHasher(trace)
+    for agent in trace.agents:
+        for branch in agent.branches:
+            for r in branch.requests:
+                chains.register(hasher.hashes(agent, branch, r))
+    pos = chains.pos
     checked = 0
     for n in cluster.nodes:
         for leaf in d.eviction_order(n.id, "L1"):

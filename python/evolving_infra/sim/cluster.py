@@ -30,7 +30,7 @@ from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
 from evolving_infra.routing.index import LoadIndex
 from evolving_infra.sim.agents import AgentReplay, SimRequest
 from evolving_infra.sim.config import SimConfig
-from evolving_infra.sim.kv import BlockParents, NodeKv
+from evolving_infra.sim.kv import NodeKv
 from evolving_infra.sim.metrics import Recorder
 from evolving_infra.sim.node import Node, NodeSettings, blocks_for
 from evolving_infra.sim.planning import Switcher, sample_nodes
@@ -67,7 +67,6 @@ class Cluster:
         self._seq = 0
         self.stats = RunStats()
         self.directory = KvDirectory()
-        self.parents = BlockParents()
         self.truth = RooflineTruth(
             config.deployment, noise=config.noise, seed=derive_seed(config.seed, "truth")
         )
@@ -97,7 +96,7 @@ class Cluster:
             Node(
                 i,
                 "prefill" if i < split.prefill else "decode",
-                NodeKv(i, self.directory, self.parents, self.l1_blocks, l2),
+                NodeKv(i, self.directory, self.l1_blocks, l2),
                 self.directory,
                 settings,
                 self,
@@ -378,7 +377,6 @@ class Cluster:
             observe("pool", remote_blocks * bb, remote_blocks * bb / c.pool_bandwidth)
 
     def prefilled(self, req: SimRequest) -> None:
-        self.parents.register(req.hashes)
         self.metrics.prefilled(req)
         self.slices.prefilled(req.prompt_tokens, req.uncached)
         if req.output_tokens <= 0:

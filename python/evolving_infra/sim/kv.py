@@ -20,8 +20,11 @@ above it. Evictions never exceed `l1_held - pinned`, and `pinned` counts a prefi
 running requests once per request (an over-estimate), so a pinned block is never chosen. (Two
 running requests with the very same chain share one leaf: the first to finish unpins both.)
 
-L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), L2
-evictions drop the block. A demoted run's parent comes from `BlockParents`.
+L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), in one
+directory call (`KvDirectory.demote`: the blocks never leave the directory, so no record of
+their parents is needed), L2 evictions drop the block. `BlockParents` is the simulated engine's
+record of chains (its eviction hints read it); `NodeKv` only keeps it for the engine's node to
+extend (`parents`, None in the simulator).
 
 An optional `KvListener` hears every change to what the node holds, in the order it happens
 (the simulated engine turns them into SGLang KV events). The simulator passes none: each hook
@@ -58,8 +61,10 @@ class KvListener(Protocol):
 
 
 class BlockParents:
-    """Where every block ever stored sits in a chain: demoting an evicted run to L2 needs the
-    run's parent and where the run ends.
+    """Where every block a simulated engine stored sits in a chain: the router's eviction hints
+    name blocks by hash, and the engine turns each into a branch of its local directory, which
+    needs the chain from the first page (`engines/sim/cache.Hints`). (The simulator needs no
+    such record: `KvDirectory.demote` keeps evicted blocks known while it moves them to L2.)
 
     A chain is registered as it grows (a prompt, then its response, then the next prompt...),
     and each registration keeps only the blocks not seen before, in a *segment*: a list of
@@ -68,18 +73,13 @@ class BlockParents:
     fork or a compaction), others start a segment. Each block maps to (its segment, its index
     there). A block's prefix is the same in every chain that holds it (its hash fixes the
     prefix), so the segments form a tree and a block's path from the first page is its
-    segment's prefix after its ancestors' paths. Evictions come back leaf first, so reversed
-    they are stretches of those paths: one dictionary look-up per stretch, and one C-level list
-    comparison per segment it crosses, find each stretch, where a look-up per block (hundreds
-    of thousands per simulated minute, each a cache miss in a dictionary of millions) was the
-    simulator's hottest spot.
+    segment's prefix after its ancestors' paths.
 
     NOTE: segments rather than every registered chain whole: a request registers its prompt and
-    then prompt + response, so keeping whole chains held the trace's prompts twice over (8 bytes
-    a block per registration: gigabytes at 3,072 GPUs) and converted each to an array. A block
-    maps to one int, `segment number << INDEX_BITS | index`, rather than to a tuple: inserting
-    millions of tuples took three times as long and twice the memory. `pos` shows a block's
-    path as `(chain, index)` pairs, for readers.
+    then prompt + response, so keeping whole chains held the prompts twice over (8 bytes a block
+    per registration) and converted each to an array. A block maps to one int, `segment number
+    << INDEX_BITS | index`, rather than to a tuple: inserting millions of tuples took three
+    times as long and twice the memory. `pos` shows a block's path as `(chain, index)` pairs.
     """
 
     INDEX_BITS = 24  # segments up to 16M blocks
@@ -117,10 +117,9 @@ class BlockParents:
         known blocks of any chain stay a prefix of it, as `register` needs); returns how many
         were forgotten. Linear in the blocks known.
 
-        The simulator registers the blocks of a finite trace and never prunes; a simulated
-        engine serves without end and prunes what no tier holds and no live request needs,
-        or the map grows by every page it ever saw (~100 bytes each; ~2,000 pages a second per
-        engine under the soak)."""
+        A simulated engine serves without end and prunes what no tier holds and no live request
+        needs, or the map grows by every page it ever saw (~100 bytes each; ~2,000 pages a
+        second per engine under the soak)."""
         at, segments, ups = self._at, self._segments, self._up
         bits, mask = self.INDEX_BITS, self._MASK
         kept = [0] * len(segments)  # per segment, the length of its prefix that stays
@@ -182,61 +181,6 @@ class BlockParents:
         base = (s << self.INDEX_BITS) + start
         at.update(zip(new, range(base, base + len(new)), strict=True))
 
-    def runs(self, blocks: list[int]) -> list[tuple[int, int, int | None]]:
-        """`blocks` (each after its parent, if that is among them) cut into parent-child runs:
-        (start, end, parent of the first), in order. Unregistered blocks are left out.
-
-        Matched from the end: the last block of a run is the deepest, and its path from the
-        first page holds the whole run, however many registrations made its blocks: the run
-        is the longest stretch of `blocks` ending there that equals a stretch of that path.
-        """
-        at, segments, ups = self._at, self._segments, self._up
-        bits, mask = self.INDEX_BITS, self._MASK
-        out: list[tuple[int, int, int | None]] = []
-        hi = len(blocks)
-        while hi > 0:
-            ref = at.get(blocks[hi - 1])
-            if ref is None:
-                hi -= 1
-                continue
-            s, j = ref >> bits, ref & mask  # blocks[lo - 1] is expected at segments[s][j]
-            lo = hi
-            while True:
-                seg = segments[s]
-                span = min(lo, j + 1)
-                if blocks[lo - span : lo] == seg[j + 1 - span : j + 1]:
-                    matched = span
-                else:
-                    # The longest matching suffix (the suffixes of a match match too): galloping
-                    # up from one block, then bisecting, costs about the run's length, where the
-                    # segment may hold thousands of blocks before it.
-                    matched, bad, g = 0, span, 1
-                    while g < bad:
-                        if blocks[lo - g : lo] != seg[j + 1 - g : j + 1]:
-                            bad = g
-                            break
-                        matched, g = g, 2 * g
-                    while bad - matched > 1:
-                        mid = (matched + bad) // 2
-                        if blocks[lo - mid : lo] == seg[j + 1 - mid : j + 1]:
-                            matched = mid
-                        else:
-                            bad = mid
-                lo -= matched
-                k = j - matched  # where the run's parent is in `seg` (-1: before it)
-                if k >= 0:
-                    parent: int | None = seg[k]
-                    break
-                parent = ups[s]
-                if parent is None or lo == 0:
-                    break
-                ref = at[parent]  # the whole segment matched: go on in its parent's
-                s, j = ref >> bits, ref & mask
-            out.append((lo, hi, parent))
-            hi = lo
-        out.reverse()
-        return out
-
 
 class ChainPositions(Mapping[int, tuple[IntArray, int]]):
     """`BlockParents`' map as `block -> (its path from the first page, its index there)`
@@ -284,10 +228,10 @@ class NodeKv:
         self,
         node: int,
         directory: KvDirectory,
-        parents: BlockParents,
         l1_capacity: int,
         l2_capacity: int,
         listener: KvListener | None = None,
+        parents: BlockParents | None = None,
     ) -> None:
         self.node = node
         self.listener = listener
@@ -373,32 +317,45 @@ class NodeKv:
     def _evict(self, n: int, now: float) -> None:
         if n <= 0:
             return
-        evicted = self.directory.evict(self.node, "L1", n)
+        d, node = self.directory, self.node
+        if self.l2_capacity <= 0:
+            evicted = d.evict(node, "L1", n)
+            self._evicted(evicted)
+            return
+        before = d.held(node, "L2")
+        evicted, parents = d.demote(node, n, now)
+        self._evicted(evicted)
+        if evicted and self.listener is not None:
+            self._report_runs(evicted, parents)
+        new = d.held(node, "L2") - before
+        self.l2_held += new
+        self.demoted += new
+        self._drop_l2_over()
+
+    def _evicted(self, evicted: list[int]) -> None:
         self.l1_held -= len(evicted)
         self.evicted += len(evicted)
         if evicted and self.listener is not None:
             self.listener.removed("L1", list(evicted))
-        if self.l2_capacity > 0 and evicted:
-            self._demote(evicted, now)
 
-    def _demote(self, evicted: list[int], now: float) -> None:
-        # `evict` removes a child before its parent, so reversed, each block's parent comes
-        # just before it or is still held in this node's L1 (L1 is prefix-closed): runs of
-        # parent-child blocks are valid chains even though the directory may already have
-        # dropped the evicted blocks nothing else refers to.
-        evicted.reverse()
-        d, node = self.directory, self.node
-        before = d.held(node, "L2")
-        for lo, hi, first in self.parents.runs(evicted):
-            # A run whose parent is gone from every tier could never be matched again
-            # (matching walks from the first page): dropping it loses nothing.
-            if first is None or first in d:
-                d.store(node, "L2", evicted[lo:hi], first, now)
-                if self.listener is not None:
-                    self.listener.stored("L2", evicted[lo:hi], first)
-        new = d.held(node, "L2") - before
-        self.l2_held += new
-        self.demoted += new
+    def _report_runs(self, evicted: list[int], parents: list[int | None]) -> None:
+        """The demoted blocks as the listener hears stores: reversed (parents first), one chain
+        per run of parent-child blocks, each under its first block's parent."""
+        assert self.listener is not None
+        run: list[int] = []
+        first: int | None = None
+        for h, p in zip(reversed(evicted), reversed(parents), strict=True):
+            if run and p == run[-1]:
+                run.append(h)
+                continue
+            if run:
+                self.listener.stored("L2", run, first)
+            run, first = [h], p
+        if run:
+            self.listener.stored("L2", run, first)
+
+    def _drop_l2_over(self) -> None:
+        d = self.directory
         over = self.l2_held - self.l2_capacity
         if over > 0:
             dropped = d.evict(self.node, "L2", over)

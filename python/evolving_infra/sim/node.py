@@ -505,7 +505,8 @@ class Node:
             end = (req.prompt_tokens + req.output_tokens) // self.s.block_size
             if nxt is not None and len(nxt) > n and nxt[n - 1] == h[n - 1] and end > n:
                 req.out_hashes = nxt[n:end]
-                kv.parents.register(h + req.out_hashes)
+                if kv.parents is not None:  # the engine's record of chains (hints)
+                    kv.parents.register(h + req.out_hashes)
                 kv.store(req.out_hashes, h[n - 1], now)
         kv.reserved -= req.res_d
         kv.pinned -= req.pin_d

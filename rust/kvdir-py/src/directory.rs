@@ -252,6 +252,26 @@ impl KvDirectory {
         Ok(self.write(py, n > 64, |d| d.evict(node, tier, n)))
     }
 
+    /// Evicts up to `n` blocks from `node`'s L1 in eviction order and holds each in its L2 with
+    /// last access `now`; returns `(hashes, parents)` in the order evicted (children first), a
+    /// first page's parent `None`.
+    #[pyo3(signature = (node, n, now=None))]
+    fn demote(
+        &self,
+        py: Python<'_>,
+        node: &Bound<'_, PyAny>,
+        n: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<(Vec<i64>, Vec<Option<i64>>)> {
+        let node = convert::node(node)?;
+        let n = convert::count(n, "n")?;
+        let now = convert::now(now);
+        let demoted = self
+            .write(py, n > 64, |d| d.demote(node, n, now))
+            .map_err(|e| to_py(py, e))?;
+        Ok(demoted.into_iter().unzip())
+    }
+
     /// Applies one SGLang `KVEventBatch` (msgpack bytes) as `node`'s events; returns the number
     /// of events applied. Corrupt bytes or an invalid chain raise and change nothing.
     #[pyo3(signature = (node, payload, now=None))]

@@ -514,6 +514,60 @@ impl Directory {
         out
     }
 
+    /// Evicts up to `n` blocks from `node`'s L1 in eviction order, as `evict` does, and holds each
+    /// in the node's L2 with last access `now` (`HiCache`'s write-back of what leaves the GPU).
+    /// Returns the blocks in the order evicted (children before parents), each with its parent
+    /// (`None` for a first page): reversed, the blocks form runs of parent-child chains, each
+    /// under a block the node still holds in L1 or a first page, which is how an engine reports
+    /// them (one `BlockStored` per run).
+    ///
+    /// NOTE: one call instead of `evict` then a `store` per run: the blocks never leave the
+    /// directory in between, so a caller needs no record of their parents (the simulator kept
+    /// one of every chain it ever stored for this), and L2 is written parents first, so only a
+    /// run's first block can be an orphan there.
+    pub fn demote(
+        &mut self,
+        node: NodeId,
+        n: usize,
+        now: f64,
+    ) -> Result<Vec<(BlockHash, Option<BlockHash>)>> {
+        let now = check_time(now)?;
+        let l1 = Place::new(node, Tier::L1);
+        let mut victims = Vec::new();
+        while victims.len() < n {
+            let Some(key) = self
+                .places
+                .get_mut(&l1)
+                .and_then(|s| s.candidates.pop_first())
+            else {
+                break;
+            };
+            // Not collected: the block is about to be held in L2.
+            self.remove_holder_in_chain(key.idx, l1, false, true);
+            victims.push(key.idx);
+        }
+        let mut ctx = self.chain_place(Place::new(node, Tier::L2));
+        let parent_of = |d: &Self, i: usize| d.blocks.get(victims[i]).parent;
+        for i in (0..victims.len()).rev() {
+            // Reversed, a victim's parent is the one just held when the run goes on, and the
+            // next one is its child when the run goes on (`add_holder`'s shortcuts).
+            let parent_in_chain = i + 1 < victims.len() && parent_of(self, i) == victims[i + 1];
+            let leaf_follows = i > 0 && parent_of(self, i - 1) == victims[i];
+            self.add_holder(victims[i], &mut ctx, now, leaf_follows, parent_in_chain);
+        }
+        self.finish_chain(&ctx);
+        Ok(victims
+            .iter()
+            .map(|&idx| {
+                let b = self.blocks.get(idx);
+                (
+                    b.hash,
+                    (b.parent != NIL).then(|| self.blocks.get(b.parent).hash),
+                )
+            })
+            .collect())
+    }
+
     /// Decodes one SGLang `KVEventBatch` and applies it as `node`'s events; returns the number of
     /// events applied. Nothing changes if the bytes are corrupt or a chain is invalid.
     pub fn apply_events(&mut self, node: NodeId, payload: &[u8], now: f64) -> Result<usize> {

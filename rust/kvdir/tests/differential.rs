@@ -83,6 +83,7 @@ enum Op {
     BranchFork(BranchId, BranchId),
     BranchEnd(BranchId),
     Evict(u32, Tier, usize),
+    Demote(u32, usize),
     Events(u32, Vec<RefEvent>, bool),
 }
 
@@ -115,6 +116,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (branch(), branch()).prop_map(|(a, b)| Op::BranchFork(a, b)),
         1 => branch().prop_map(Op::BranchEnd),
         2 => (node.clone(), tier(), 0usize..4).prop_map(|(n, t, k)| Op::Evict(n, t, k)),
+        2 => (node.clone(), 0usize..5).prop_map(|(n, k)| Op::Demote(n, k)),
         2 => (node, prop::collection::vec(event(), 0..4), any::<bool>()).prop_map(|(n, evs, positional)| {
             // Mediums are folded into the events' tiers; keep the wire spelling for encoding.
             let mut events = Vec::new();
@@ -234,6 +236,21 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::BranchEnd(b) => prop_assert_eq!(d.branch_end(&b), r.branch_end(&b)),
             Op::Evict(n, t, k) => prop_assert_eq!(d.evict(n, t, k), r.evict(n, t, k)),
+            Op::Demote(n, k) => {
+                // The reference: the blocks `evict` would take from L1, each stored in L2 (parents
+                // first, while all are still known), then removed from L1.
+                let order = r.clone().evict(n, Tier::L1, k);
+                let parents: Vec<Option<i64>> = order.iter().map(|h| r.parent[h]).collect();
+                for (h, p) in order.iter().zip(&parents).rev() {
+                    let stored = r.store(n, Tier::L2, &[*h], *p, now);
+                    prop_assert!(stored.is_ok(), "a demoted block's parent is known");
+                }
+                for h in &order {
+                    r.remove(n, Tier::L1, &[*h]);
+                }
+                let want: Vec<(i64, Option<i64>)> = order.into_iter().zip(parents).collect();
+                prop_assert_eq!(d.demote(n, k, now), Ok(want));
+            }
             Op::Events(n, evs, positional) => {
                 // Capacity is not state: a refused one-store batch may have reserved room in the
                 // block index before it found the chain invalid, as a refused `store` may.

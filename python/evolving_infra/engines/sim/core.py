@@ -151,7 +151,7 @@ class EngineCore:
             else EnginePool(s.pool, s.node_id, self.directory, lambda: self.events.held["L2"])
         )
         listener = self.events if self.pool is None else TeeListener(self.events, self.pool)
-        self.kv = NodeKv(s.node_id, self.directory, self.parents, l1, l2, listener=listener)
+        self.kv = NodeKv(s.node_id, self.directory, l1, l2, listener=listener, parents=self.parents)
         self.hints = Hints(self.directory, self.parents, self.events)
         self.env = RealTimeEnv(
             s.deployment, self, time_scale=s.time_scale, noise=s.noise, seed=s.seed,
