@@ -77,7 +77,9 @@ def parts(stats: pstats.Stats) -> list[tuple[str, float, int]]:
     table = stats.stats  # type: ignore[attr-defined]
     for (file, _, name), (_, ncalls, tottime, _, _) in table.items():
         if "evolving_infra._core" in name:
-            part = "directory: " + name.split("'")[1]
+            # "<method 'store' of '...KvDirectory' objects>", "<built-in method ..._core.f>"
+            method = name.split("'")[1] if "'" in name else name.strip("<>").rsplit(".", 1)[-1]
+            part = "directory: " + method
         else:
             part = next((p for key, p in PARTS if key in file), "other (python, numpy)")
         own[part] += tottime
@@ -87,7 +89,7 @@ def parts(stats: pstats.Stats) -> list[tuple[str, float, int]]:
 
 class RecordingDirectory:
     """A `KvDirectory` that records, per method, the calls, the blocks passed (the chain
-    argument's length; for `evict`, the blocks returned) and the seconds spent."""
+    argument's length; for `evict` and `demote`, the blocks returned) and the seconds spent."""
 
     def __init__(self) -> None:
         self._d = KvDirectory()
@@ -103,7 +105,10 @@ class RecordingDirectory:
             t = time.perf_counter()
             out = f(*args, **kwargs)
             row[3] += time.perf_counter() - t
-            chain = out if name == "evict" else next((a for a in args if isinstance(a, list)), ())
+            if name in ("evict", "demote"):
+                chain = out if name == "evict" else out[0]
+            else:
+                chain = next((a for a in args if isinstance(a, list)), ())
             row[0] += 1
             row[1] += len(chain)
             row[2] = max(row[2], len(chain))
