@@ -25,11 +25,18 @@ impl std::fmt::Display for BranchId {
     }
 }
 
-/// A live branch: its context (slab indices, first page first) and version.
+/// A live branch: its context (slab indices, first page first, and the same blocks' hashes) and
+/// version.
+///
+/// NOTE: the hashes are kept (8 bytes a block) so that `branch_set` finds the part of a new
+/// context the old one already had by comparing two arrays: an agent's next context usually
+/// extends its last one, and looking every block of a ~400-block context up (twice: validation,
+/// then indices) was most of a call, a cache miss each in a large directory.
 #[derive(Debug, Clone)]
 pub(crate) struct Branch {
     pub(crate) version: i64,
     pub(crate) context: Vec<u32>,
+    pub(crate) hashes: Vec<BlockHash>,
 }
 
 impl Directory {
@@ -41,36 +48,57 @@ impl Directory {
         hashes: &[BlockHash],
         version: Option<i64>,
     ) -> Result<bool> {
-        self.validate_chain(None, hashes)?;
-        let current = self.branches.get(&branch).map(|b| b.version);
-        let version = match (current, version) {
+        let current = self.branches.get(&branch);
+        // The old context's blocks are live (it counts in them) and chained, so the shared
+        // prefix is valid; the rest is valid under it exactly when the whole chain is (a block
+        // repeated from the prefix breaks its parent link). Only a refusal re-checks all of it,
+        // so that it names the problem the full check finds first.
+        let common = current.map_or(0, |b| {
+            b.hashes
+                .iter()
+                .zip(hashes)
+                .take_while(|(a, b)| a == b)
+                .count()
+        });
+        let under = common.checked_sub(1).map(|i| hashes[i]);
+        if self.validate_chain(under, &hashes[common..]).is_err() {
+            self.validate_chain(None, hashes)?;
+        }
+        let version = match (current.map(|b| b.version), version) {
             (Some(cur), Some(v)) if v < cur => return Ok(false),
             (_, Some(v)) => v,
             (Some(cur), None) => cur.saturating_add(1),
             (None, None) => 0,
         };
-        let mut context = Vec::with_capacity(hashes.len());
-        let mut prev = NIL;
-        for &h in hashes {
-            prev = self.find_or_insert(h, prev);
-            context.push(prev);
-        }
         let old = self
             .branches
             .remove(&branch)
             .map(|b| b.context)
             .unwrap_or_default();
+        let mut context = Vec::with_capacity(hashes.len());
+        context.extend_from_slice(&old[..common]);
+        let mut prev = context.last().copied().unwrap_or(NIL);
+        for &h in &hashes[common..] {
+            prev = self.find_or_insert(h, prev);
+            context.push(prev);
+        }
         // Contexts are chains from a first page, so after their first difference they share no
         // block: only the two tails change counts. New counts go up before old ones go down so a
         // block in neither tail is never collected in between.
-        let common = old.iter().zip(&context).take_while(|(a, b)| a == b).count();
         for &idx in &context[common..] {
             let r = self.blocks.get(idx).refcount;
             self.set_refcount(idx, r + 1);
         }
         self.release(&old[common..]);
-        self.branches
-            .insert(branch, crate::branches::Branch { version, context });
+        let hashes = hashes.to_vec();
+        self.branches.insert(
+            branch,
+            crate::branches::Branch {
+                version,
+                context,
+                hashes,
+            },
+        );
         Ok(true)
     }
 

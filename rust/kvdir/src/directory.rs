@@ -664,7 +664,12 @@ impl Directory {
         let branch_bytes: usize = self
             .branches
             .values()
-            .map(|b| b.context.capacity() * 4 + std::mem::size_of::<(BranchId, Branch)>() + 1)
+            .map(|b| {
+                b.context.capacity() * 4
+                    + b.hashes.capacity() * 8
+                    + std::mem::size_of::<(BranchId, Branch)>()
+                    + 1
+            })
             .sum();
         let place_bytes = self.places.capacity() * (std::mem::size_of::<(Place, PlaceState)>() + 1);
         let memory = self.blocks.memory_bytes()

@@ -7,7 +7,7 @@ use hashbrown::HashMap;
 use crate::directory::Directory;
 use crate::eviction::EvKey;
 use crate::table::{Block, Holder, NIL};
-use crate::{Place, Tier};
+use crate::{BlockHash, Place, Tier};
 
 impl Directory {
     pub(crate) fn for_each_block(&self, mut f: impl FnMut(u32, &Block)) {
@@ -131,6 +131,9 @@ impl Directory {
             for &i in &b.context {
                 *refs.entry(i).or_default() += 1;
             }
+            let hashes: Vec<BlockHash> =
+                b.context.iter().map(|&i| self.blocks.get(i).hash).collect();
+            assert_eq!(b.hashes, hashes, "a branch's hashes are its context's");
         }
         self.for_each_block(|idx, b| {
             assert_eq!(

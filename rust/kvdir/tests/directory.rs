@@ -168,6 +168,37 @@ fn branch_versions() {
     d.check_invariants();
 }
 
+/// A new context that extends the branch's old one is checked only past the shared prefix, but
+/// a refusal names what a check of the whole chain finds first, and changes nothing.
+#[test]
+fn extending_a_branch_is_refused_as_the_whole_chain_would_be() {
+    let mut d = Directory::new();
+    let b = BranchId::Int(1);
+    assert_eq!(d.branch_set(b.clone(), &[1, 2, 3], None), Ok(true));
+    d.store(0, Tier::L1, &[9, 4], None, 0.0).unwrap(); // 4 is known, under 9
+    let before = (d.stats(), d.len(), d.branch_version(&b));
+    // A block of the prefix repeated in the new part: a duplicate, not a parent mismatch.
+    assert_eq!(
+        d.branch_set(b.clone(), &[1, 2, 3, 5, 1], None),
+        Err(Error::DuplicateHash { hash: 1 })
+    );
+    assert_eq!(
+        d.branch_set(b.clone(), &[1, 2, 3, 2], None),
+        Err(Error::DuplicateHash { hash: 2 })
+    );
+    assert!(matches!(
+        d.branch_set(b.clone(), &[1, 2, 3, 4], None),
+        Err(Error::ParentMismatch { hash: 4, .. })
+    ));
+    assert_eq!(before, (d.stats(), d.len(), d.branch_version(&b)));
+    assert_eq!(d.branch_set(b.clone(), &[1, 2, 3, 5, 6], None), Ok(true));
+    assert_eq!((d.refcount(3), d.refcount(6)), (1, 1));
+    assert_eq!(d.branch_set(b.clone(), &[1, 2, 7], None), Ok(true)); // a fork off the prefix
+    assert_eq!((d.refcount(2), d.refcount(3), d.refcount(7)), (1, 0, 1));
+    assert!(!d.contains(6), "the old tail was released and collected");
+    d.check_invariants();
+}
+
 #[test]
 fn events_in_both_encodings_reach_the_same_state() {
     let batches = |positional: bool| {
