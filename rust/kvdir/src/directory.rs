@@ -11,7 +11,7 @@ use hashbrown::HashMap;
 
 use crate::branches::Branch;
 use crate::events::{decode_batch, Event, EventBatch};
-use crate::eviction::{PlaceState, CANDIDATE_BYTES};
+use crate::eviction::{EvKey, PlaceState, CANDIDATE_BYTES};
 use crate::holders::ChainPlace;
 use crate::table::{fold, Blocks, Holder, NIL};
 use crate::wide::WideLists;
@@ -496,7 +496,16 @@ impl Directory {
     /// Removes up to `n` blocks from `(node, tier)`, one at a time, always the first candidate;
     /// returns them in the order removed.
     pub fn evict(&mut self, node: NodeId, tier: Tier, n: usize) -> Vec<BlockHash> {
-        let place = Place::new(node, tier);
+        self.pop_candidates(Place::new(node, tier), n, true)
+            .into_iter()
+            .map(|k| k.hash)
+            .collect()
+    }
+
+    /// Removes up to `n` of `place`'s candidates, always the first, and returns their keys in
+    /// order. With `collect`, garbage goes as each block leaves (`evict`); without, the caller
+    /// holds the blocks elsewhere before anything reads the directory (`demote`).
+    fn pop_candidates(&mut self, place: Place, n: usize, collect: bool) -> Vec<EvKey> {
         let mut out = Vec::new();
         while out.len() < n {
             // Popped, not read then removed: one B-tree descent per block instead of two.
@@ -508,8 +517,10 @@ impl Directory {
                 break;
             };
             self.remove_holder_in_chain(key.idx, place, false, true);
-            self.collect(key.idx);
-            out.push(key.hash);
+            if collect {
+                self.collect(key.idx);
+            }
+            out.push(key);
         }
         out
     }
@@ -532,20 +543,12 @@ impl Directory {
         now: f64,
     ) -> Result<Vec<(BlockHash, Option<BlockHash>)>> {
         let now = check_time(now)?;
-        let l1 = Place::new(node, Tier::L1);
-        let mut victims = Vec::new();
-        while victims.len() < n {
-            let Some(key) = self
-                .places
-                .get_mut(&l1)
-                .and_then(|s| s.candidates.pop_first())
-            else {
-                break;
-            };
-            // Not collected: the block is about to be held in L2.
-            self.remove_holder_in_chain(key.idx, l1, false, true);
-            victims.push(key.idx);
-        }
+        // Not collected: the blocks are about to be held in L2.
+        let victims: Vec<u32> = self
+            .pop_candidates(Place::new(node, Tier::L1), n, false)
+            .iter()
+            .map(|k| k.idx)
+            .collect();
         let mut ctx = self.chain_place(Place::new(node, Tier::L2));
         let parent_of = |d: &Self, i: usize| d.blocks.get(victims[i]).parent;
         for i in (0..victims.len()).rev() {
