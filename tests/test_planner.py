@@ -181,7 +181,7 @@ def test_evolving_leaves_a_split_whose_prefills_lose_their_cache() -> None:
     loss = p.memory.measured(2)
     assert loss is not None
     assert loss == pytest.approx(0.8 / ESTIMATED, rel=0.1)
-    # An untried split is assumed as good as the best tried one, not as good as estimated.
+    # An untried split gets the nearest tried split's loss, not the bare estimate.
     assert p.memory.measured(3) is None
     assert p.memory.loss(3) == loss
 

@@ -94,9 +94,8 @@ class Cluster:
         self.directory = KvDirectory()
         self.nodes = [NodeState() for _ in range(config.nodes)]
         self.rng = random.Random(config.seed)
-        # Parent of every block ever seen: demoting an evicted block to L2 needs it, and its
-        # keys are the ideal cache (one infinite cache shared by all nodes).
-        self.parent: dict[BlockHash, BlockHash | None] = {}
+        # Every block ever seen: the ideal cache (one infinite cache shared by all nodes).
+        self.seen: set[BlockHash] = set()
         self.ideal_hits = 0
         self.evicted = {"L1": 0, "L2": 0}
 
@@ -132,12 +131,11 @@ class Cluster:
         lo, hi = 0, len(blocks)
         while lo < hi:
             mid = (lo + hi) // 2
-            if blocks[mid] in self.parent:
+            if blocks[mid] in self.seen:
                 lo = mid + 1
             else:
                 hi = mid
-        for i in range(lo, len(blocks)):
-            self.parent[blocks[i]] = blocks[i - 1] if i else None
+        self.seen.update(blocks[lo:])
         return lo
 
     def _load(self, state: NodeState, now: float) -> float:
@@ -158,40 +156,19 @@ class Cluster:
         state = self.nodes[node]
         over = state.l1_held - self.config.l1_blocks
         if over > 0:
-            evicted = cast(list[BlockHash], self.directory.evict(node, "L1", over))
+            if self.config.l2_blocks > 0:
+                # HiCache-style write-back: what leaves L1 is held in the node's L2.
+                evicted = cast(list[BlockHash], self.directory.demote(node, over, now)[0])
+                state.l2.update(evicted)
+            else:
+                evicted = cast(list[BlockHash], self.directory.evict(node, "L1", over))
             state.l1_held -= len(evicted)
             self.evicted["L1"] += len(evicted)
-            if self.config.l2_blocks > 0:
-                self._demote(node, evicted, now)
         over = len(state.l2) - self.config.l2_blocks
         if over > 0:
             dropped = self.directory.evict(node, "L2", over)
             state.l2.difference_update(dropped)
             self.evicted["L2"] += len(dropped)
-
-    def _demote(self, node: int, evicted: list[BlockHash], now: float) -> None:
-        # evict() removes a child before its parent, so reversed, a block's parent comes before
-        # it or is still in this node's L1 (whole chains are stored and leaves evicted first, so
-        # L1 is prefix-closed): storing runs of parent-child blocks in this order is valid even
-        # though the directory already dropped the evicted blocks nothing else refers to.
-        if not evicted:
-            return
-        evicted.reverse()
-        parents = list(map(self.parent.__getitem__, evicted))
-        cuts = [i for i in range(1, len(evicted)) if parents[i] != evicted[i - 1]]
-        for lo, hi in zip([0, *cuts], [*cuts, len(evicted)], strict=True):
-            self._store_l2(node, evicted[lo:hi], parents[lo], now)
-
-    def _store_l2(
-        self, node: int, run: list[BlockHash], parent: BlockHash | None, now: float
-    ) -> None:
-        if parent is not None and parent not in self.directory:
-            # Unreachable while L1 stays prefix-closed; a block whose prefix is gone could never
-            # be matched anyway, so skipping it loses nothing.
-            log.warning("demo.demote_skipped", node=node, blocks=len(run))
-            return
-        self.directory.store(node, "L2", run, parent=parent, now=now)
-        self.nodes[node].l2.update(run)
 
 
 def load(config: DemoConfig) -> list[Conversation]:
