@@ -18,8 +18,8 @@ use crate::wide::WideLists;
 use crate::{check_time, BlockHash, BranchId, Error, NodeId, Place, Result, Tier};
 use hashbrown::HashTable;
 
-/// How many blocks ahead `store` starts loading the holders of a known prefix's blocks.
-const PREFETCH_HOLDERS: usize = 4;
+/// How many blocks ahead `store` and `touch` start loading the holders of a known prefix's blocks.
+pub(crate) const PREFETCH_HOLDERS: usize = 4;
 
 /// How much of a query chain each place holds (the result of [`Directory::match_prefix`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -449,7 +449,7 @@ impl Directory {
             let parent_next = parent != NIL
                 && next == Some(parent)
                 && self.blocks.get(parent).holder(place).is_some();
-            if self.remove_holder_in_chain(idx, place, indexed, !parent_next) {
+            if self.remove_holder_in_chain(idx, place, indexed, !parent_next, false) {
                 self.collect(idx);
                 indexed = !parent_next;
             } else {
@@ -496,16 +496,16 @@ impl Directory {
     /// Removes up to `n` blocks from `(node, tier)`, one at a time, always the first candidate;
     /// returns them in the order removed.
     pub fn evict(&mut self, node: NodeId, tier: Tier, n: usize) -> Vec<BlockHash> {
-        self.pop_candidates(Place::new(node, tier), n, true)
+        self.pop_candidates(Place::new(node, tier), n, false)
             .into_iter()
             .map(|k| k.hash)
             .collect()
     }
 
     /// Removes up to `n` of `place`'s candidates, always the first, and returns their keys in
-    /// order. With `collect`, garbage goes as each block leaves (`evict`); without, the caller
-    /// holds the blocks elsewhere before anything reads the directory (`demote`).
-    fn pop_candidates(&mut self, place: Place, n: usize, collect: bool) -> Vec<EvKey> {
+    /// order. Evicted, garbage goes as each block leaves (`evict`); demoted, the caller holds the
+    /// blocks in the node's other tier before anything reads the directory (`demote`).
+    fn pop_candidates(&mut self, place: Place, n: usize, demoted: bool) -> Vec<EvKey> {
         let mut out = Vec::new();
         while out.len() < n {
             // Popped, not read then removed: one B-tree descent per block instead of two.
@@ -516,8 +516,8 @@ impl Directory {
             else {
                 break;
             };
-            self.remove_holder_in_chain(key.idx, place, false, true);
-            if collect {
+            self.remove_holder_in_chain(key.idx, place, false, true, demoted);
+            if !demoted {
                 self.collect(key.idx);
             }
             out.push(key);
@@ -545,11 +545,12 @@ impl Directory {
         let now = check_time(now)?;
         // Not collected: the blocks are about to be held in L2.
         let victims: Vec<u32> = self
-            .pop_candidates(Place::new(node, Tier::L1), n, false)
+            .pop_candidates(Place::new(node, Tier::L1), n, true)
             .iter()
             .map(|k| k.idx)
             .collect();
         let mut ctx = self.chain_place(Place::new(node, Tier::L2));
+        ctx.moving = true;
         let parent_of = |d: &Self, i: usize| d.blocks.get(victims[i]).parent;
         for i in (0..victims.len()).rev() {
             // Reversed, a victim's parent is the one just held when the run goes on, and the

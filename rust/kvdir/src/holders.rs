@@ -23,6 +23,9 @@ pub(crate) struct ChainPlace {
     pub(crate) orphans: u64,
     pub(crate) other_orphans: u64,
     pub(crate) newly_held: u64,
+    /// The chain's blocks are moving here from the node's other tier (`demote`): the node holds
+    /// them throughout, so its whole-prefix flags and counts stay as they are.
+    pub(crate) moving: bool,
     /// The block `add_holder` held last: the next block's parent while the chain goes on.
     last: Option<LastHeld>,
 }
@@ -50,7 +53,7 @@ impl ChainPlace {
 /// `hs.partition_point(|h| h.place.node() < node)`, searched outward from `hint` in steps of
 /// 1, 2, 4, ...: when the answer is near the hint this reads a cache line or two, where a binary
 /// search over a widely shared block's list (1 KiB for 64 holders) is a chain of dependent misses.
-fn node_start_near(hs: &[Holder], node: NodeId, hint: usize) -> usize {
+pub(crate) fn node_start_near(hs: &[Holder], node: NodeId, hint: usize) -> usize {
     let below = |i: usize| hs[i].place.node() < node;
     let n = hs.len();
     let hint = hint.min(n);
@@ -84,6 +87,7 @@ impl Directory {
             orphans: orphans(place),
             other_orphans: orphans(other_tier(place)),
             newly_held: 0,
+            moving: false,
             last: None,
         }
     }
@@ -183,6 +187,9 @@ impl Directory {
                 .is_some_and(|i| p.holders[i].root_node())
         });
         let orphan = parent != NIL && parent_here.is_none();
+        // A block moving from the other tier was the node's all along: `full_node` and the
+        // descendants' flags already count it (`remove_holder_in_chain` with `node_stays`).
+        let node_new = other_tier.is_none() && !ctx.moving;
         let holder = Holder::new(place, held_children, now, root_tier, root_node);
         self.blocks.with_holders(idx, |hs| hs.insert(pos, holder));
         let block = self.blocks.get_mut(idx);
@@ -191,7 +198,7 @@ impl Directory {
             self.wide
                 .changed(Kind::L1, idx, self.blocks.get(idx), node, true);
         }
-        if other_tier.is_none() && root_node {
+        if node_new && root_node {
             self.blocks.get_mut(idx).full_node += 1;
             self.wide
                 .changed(Kind::Node, idx, self.blocks.get(idx), node, true);
@@ -202,7 +209,7 @@ impl Directory {
         if root_tier && held_children > 0 {
             self.propagate_root_tier(idx, place, true);
         }
-        if other_tier.is_none() && root_node && scan_node {
+        if node_new && root_node && scan_node {
             self.propagate_root_node(idx, node, true);
         }
         ctx.newly_held += 1;
@@ -277,18 +284,26 @@ impl Directory {
 
     /// `place` no longer holds `idx`. Returns whether it did. Garbage is not collected here.
     pub(crate) fn remove_holder(&mut self, idx: u32, place: Place) -> bool {
-        self.remove_holder_in_chain(idx, place, true, true)
+        self.remove_holder_in_chain(idx, place, true, true, false)
     }
 
     /// `remove_holder` for a chain removed leaf first: with `!indexed` the caller left `idx` out
     /// of the index when its last child went (it was next), and with `!index_parent` the parent
-    /// is removed next, so it is not entered in the index only to leave it again.
+    /// is removed next, so it is not entered in the index only to leave it again. With
+    /// `node_stays` the caller holds the block in the node's other tier before anything reads
+    /// the directory (`demote`), so the node-level flags and counts are left as they are.
+    ///
+    /// NOTE: without `node_stays`, demoting a block whose descendants the node holds in L2 (the
+    /// chain's tail, demoted earlier) cleared their `ROOT_NODE` flags here and set them again in
+    /// `add_holder`: two walks down the tail per demoted block, quadratic in a chain demoted a
+    /// few blocks at a time (12% of a steady 3,072-GPU simulation).
     pub(crate) fn remove_holder_in_chain(
         &mut self,
         idx: u32,
         place: Place,
         indexed: bool,
         index_parent: bool,
+        node_stays: bool,
     ) -> bool {
         let b = self.blocks.get(idx);
         let Some(pos) = b.position(place) else {
@@ -311,7 +326,7 @@ impl Directory {
                 .changed(Kind::L1, idx, self.blocks.get(idx), node, false);
         }
         let block = self.blocks.get_mut(idx);
-        let node_left = block.node_entries(node).is_empty();
+        let node_left = !node_stays && block.node_entries(node).is_empty();
         if node_left && old.root_node() {
             block.full_node -= 1;
             self.wide
@@ -412,21 +427,20 @@ impl Directory {
         }
     }
 
-    /// Sets the last-access time of a block already held at `place`.
-    pub(crate) fn refresh(&mut self, idx: u32, place: Place, now: f64) {
-        let Some(h) = self.blocks.get(idx).holder(place).copied() else {
-            return;
-        };
-        if h.held_children() == 0 {
-            let key = self.key(idx, &h);
-            self.unindex(place, &key);
+    /// Sets the last-access time of the block's holder at `pos`; only a candidate (no held
+    /// child) moves in the eviction index.
+    pub(crate) fn refresh_at(&mut self, idx: u32, pos: usize, now: f64) {
+        let old = self.blocks.get(idx).holders[pos];
+        if old.held_children() == 0 {
+            let key = self.key(idx, &old);
+            self.unindex(old.place, &key);
         }
-        let h = self.blocks.get_mut(idx).holder_mut(place).expect("held");
+        let h = &mut self.blocks.get_mut(idx).holders[pos];
         h.time = now;
         let h = *h;
         if h.held_children() == 0 {
             let key = self.key(idx, &h);
-            self.index(place, key);
+            self.index(h.place, key);
         }
     }
 

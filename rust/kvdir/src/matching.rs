@@ -17,7 +17,7 @@ use smallvec::SmallVec;
 use crate::directory::{Directory, PrefixMatch};
 use crate::table::{Block, Holder, NIL};
 use crate::wide::Kind;
-use crate::{BlockHash, NodeId, Place, Tier};
+use crate::{BlockHash, NodeId, Tier};
 
 impl Directory {
     /// Slab indices of the leading query blocks that are known and chained by parent links.
@@ -153,19 +153,22 @@ impl Directory {
     /// holds them in; stops at the first block the node holds in no tier.
     pub fn touch(&mut self, node: NodeId, hashes: &[BlockHash], now: f64) -> crate::Result<()> {
         let now = crate::check_time(now)?;
-        let places = [Place::new(node, Tier::L1), Place::new(node, Tier::L2)];
-        let mut held = Vec::new();
-        for idx in self.walk(hashes) {
-            let b = self.blocks.get(idx);
-            let tiers = places.map(|p| b.holder(p).is_some());
-            if !tiers.contains(&true) {
+        // As in `match_prefix`: every look-up first, in a loop that keeps misses in flight.
+        let path: SmallVec<[u32; 128]> = self.walk(hashes).collect();
+        // The node's entries sit at about the same position down a chain: one search per block
+        // from the last block's position, and that position says where to prefetch ahead.
+        let mut hint = 0;
+        for (i, &idx) in path.iter().enumerate() {
+            if let Some(&ahead) = path.get(i + crate::directory::PREFETCH_HOLDERS) {
+                self.blocks.get(ahead).holders.prefetch(hint);
+            }
+            let entries = self.blocks.get(idx).node_entries_near(node, hint);
+            if entries.is_empty() {
                 break;
             }
-            held.push((idx, tiers));
-        }
-        for (idx, tiers) in held {
-            for (p, _) in places.iter().zip(tiers).filter(|(_, t)| *t) {
-                self.refresh(idx, *p, now);
+            hint = entries.start;
+            for pos in entries {
+                self.refresh_at(idx, pos, now);
             }
         }
         Ok(())

@@ -126,6 +126,16 @@ impl Block {
     /// The node's entries (one per tier it holds the block in), adjacent because places sort by node.
     pub(crate) fn node_entries(&self, node: NodeId) -> std::ops::Range<usize> {
         let start = self.holders.partition_point(|h| h.place.node() < node);
+        self.node_entries_from(node, start)
+    }
+
+    /// `node_entries`, searched outward from `hint` (where the node's entries likely start).
+    pub(crate) fn node_entries_near(&self, node: NodeId, hint: usize) -> std::ops::Range<usize> {
+        let start = crate::holders::node_start_near(&self.holders, node, hint);
+        self.node_entries_from(node, start)
+    }
+
+    fn node_entries_from(&self, node: NodeId, start: usize) -> std::ops::Range<usize> {
         let end = start
             + self.holders[start..]
                 .iter()
