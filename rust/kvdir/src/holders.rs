@@ -10,7 +10,7 @@
 
 use crate::directory::Directory;
 use crate::eviction::EvKey;
-use crate::table::{Holder, NIL};
+use crate::table::{lower_bound, lower_bound_near, Holder, NIL};
 use crate::wide::Kind;
 use crate::{NodeId, Place, Tier};
 use smallvec::SmallVec;
@@ -48,35 +48,6 @@ impl ChainPlace {
     pub(crate) fn hint(&self) -> usize {
         self.last.map_or(0, |l| l.pos as usize)
     }
-}
-
-/// `hs.partition_point(|h| h.place.node() < node)`, searched outward from `hint` in steps of
-/// 1, 2, 4, ...: when the answer is near the hint this reads a cache line or two, where a binary
-/// search over a widely shared block's list (1 KiB for 64 holders) is a chain of dependent misses.
-pub(crate) fn node_start_near(hs: &[Holder], node: NodeId, hint: usize) -> usize {
-    let below = |i: usize| hs[i].place.node() < node;
-    let n = hs.len();
-    let hint = hint.min(n);
-    let (lo, hi) = if hint < n && below(hint) {
-        // The answer is past `hint`; `below(lo - 1)` holds throughout.
-        let (mut lo, mut step) = (hint + 1, 1);
-        while lo + step - 1 < n && below(lo + step - 1) {
-            lo += step;
-            step *= 2;
-        }
-        (lo, (lo + step - 1).min(n))
-    } else {
-        // The answer is at or before `hi`: `hi == n` or `!below(hi)` holds throughout.
-        let (mut hi, mut step) = (hint, 1);
-        while hi >= step && !below(hi - step) {
-            hi -= step;
-            step *= 2;
-        }
-        (if hi >= step { hi - step + 1 } else { 0 }, hi)
-    };
-    let at = lo + hs[lo..hi].partition_point(|h| h.place.node() < node);
-    debug_assert_eq!(at, hs.partition_point(|h| h.place.node() < node));
-    at
 }
 
 impl Directory {
@@ -141,8 +112,10 @@ impl Directory {
         let start = match ctx.last {
             // A chain's blocks are held by much the same places, so the place sits about where it
             // sat in the parent's list: search outward from there.
-            Some(l) if l.idx == b.parent => node_start_near(&b.holders, node, l.pos as usize),
-            _ => b.holders.partition_point(|h| h.place.node() < node),
+            Some(l) if l.idx == b.parent => {
+                lower_bound_near(&b.holders, Place::node_start(node), l.pos as usize)
+            }
+            _ => lower_bound(&b.holders, Place::node_start(node)),
         };
         let mut pos = start;
         while b.holders.get(pos).is_some_and(|h| h.place < place) {
@@ -480,46 +453,4 @@ fn other_tier(place: Place) -> Place {
             Tier::L1
         },
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn node_start_near_agrees_with_a_binary_search_from_any_hint() {
-        // Lists of every length up to 40 over nodes 0..60, both tiers, queried for every node
-        // (present or not) from every hint, beyond the end included.
-        let mut seed = 7u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            seed >> 33
-        };
-        for len in 0..40 {
-            let mut places: Vec<Place> = (0..len)
-                .map(|_| {
-                    Place::new(
-                        (next() % 60) as NodeId,
-                        if next() % 2 == 0 { Tier::L1 } else { Tier::L2 },
-                    )
-                })
-                .collect();
-            places.sort();
-            places.dedup();
-            let hs: Vec<Holder> = places
-                .iter()
-                .map(|&p| Holder::new(p, 0, 0.0, false, false))
-                .collect();
-            for node in 0..62 {
-                let want = hs.partition_point(|h| h.place.node() < node);
-                for hint in 0..=hs.len() + 2 {
-                    assert_eq!(
-                        node_start_near(&hs, node, hint),
-                        want,
-                        "len {len} node {node} hint {hint}"
-                    );
-                }
-            }
-        }
-    }
 }

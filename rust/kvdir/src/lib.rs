@@ -89,6 +89,12 @@ impl Place {
         self.0
     }
 
+    /// The raw value below every place of `node` and above every place of lower nodes: where
+    /// the node's entries start in a list sorted by place.
+    pub(crate) fn node_start(node: NodeId) -> u32 {
+        node << 1
+    }
+
     pub(crate) fn node(self) -> NodeId {
         self.0 >> 1
     }
