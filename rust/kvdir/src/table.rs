@@ -111,6 +111,22 @@ pub(crate) struct Block {
 }
 
 impl Block {
+    /// A block with no parent, children, branches or holders.
+    pub(crate) fn unlinked(hash: BlockHash, depth: u32) -> Self {
+        Block {
+            hash,
+            parent: NIL,
+            depth,
+            first_child: NIL,
+            next_sibling: NIL,
+            prev_sibling: NIL,
+            refcount: 0,
+            full_node: 0,
+            full_l1: 0,
+            holders: HolderList::new(),
+        }
+    }
+
     pub(crate) fn position(&self, place: Place) -> Option<usize> {
         let i = lower_bound(&self.holders, place.raw());
         self.holders
@@ -295,18 +311,7 @@ impl Blocks {
         }
         let idx = u32::try_from(self.slab.len()).expect("fewer than 2^32 blocks");
         assert!(idx != NIL, "directory is full (2^32 - 1 blocks)");
-        self.slab.push(Block {
-            hash,
-            parent: NIL,
-            depth: FREED,
-            first_child: NIL,
-            next_sibling: NIL,
-            prev_sibling: NIL,
-            refcount: 0,
-            full_node: 0,
-            full_l1: 0,
-            holders: HolderList::new(),
-        });
+        self.slab.push(Block::unlinked(hash, FREED));
         idx
     }
 
@@ -519,18 +524,7 @@ mod tests {
 
     #[test]
     fn positions_and_node_entries_in_long_lists() {
-        let mut b = Block {
-            hash: 1,
-            parent: NIL,
-            depth: 0,
-            first_child: NIL,
-            next_sibling: NIL,
-            prev_sibling: NIL,
-            refcount: 0,
-            full_node: 0,
-            full_l1: 0,
-            holders: HolderList::new(),
-        };
+        let mut b = Block::unlinked(1, 0);
         // Every third node, both tiers on even nodes: 68 entries.
         for node in (0..135).step_by(3) {
             for tier in [Tier::L1, Tier::L2] {
