@@ -13,9 +13,8 @@ import pytest
 
 from evolving_infra.planner.base import Split
 from evolving_infra.planner.slices import Slices
-from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
-from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.config import DecodeAllocation, SimConfig
 from evolving_infra.sim.kv import BlockParents
 from evolving_infra.sim.planning import node_samples, sample_nodes
 from evolving_infra.sim.policies import PolicySpec, policy, static
@@ -24,6 +23,7 @@ from evolving_infra.workloads.blocks import PromptHasher
 from evolving_infra.workloads.generators import SlotPlan, generate
 from evolving_infra.workloads.model import Trace
 from evolving_infra.workloads.stats import trace_stats
+from sim_helpers import in_system
 
 
 def cc_trace(agents: int = 4, duration: float = 600.0, seed: int = 1) -> Trace:
@@ -67,23 +67,11 @@ def test_policies_run_in_processes_give_the_same_results() -> None:
         compare(trace, config, names, jobs=0)
 
 
-def in_system(cluster: Cluster) -> list[SimRequest]:
-    """Every issued, unanswered request, found where it sits (queues, batches, transfers)."""
-    out: list[SimRequest] = [*cluster.pending_prefill, *cluster.pending_decode]
-    for n in cluster.nodes:
-        out += [*n.queue, *n.running, *n.batch, *n.joining, *n.waiting]
-    for _, _, fn, arg in cluster._heap:
-        if getattr(fn, "__name__", "") == "_arrived":
-            out.append(arg)
-    # A request whose prefill finished is in no prefill list: it waits for a decode node
-    # (above) or its KV is in flight (the heap); it is never in two places.
-    return out
-
-
+@pytest.mark.parametrize("allocation", ["prefill_complete", "early"])
 @pytest.mark.parametrize("name", ["evolving", "dynamo", "arrow"])
-def test_conservation_and_kv_capacity(name: str) -> None:
+def test_conservation_and_kv_capacity(name: str, allocation: DecodeAllocation) -> None:
     trace = cc_trace(agents=6, duration=600, seed=2)
-    config = tight(duration=900, seed=1)
+    config = tight(duration=900, seed=1, decode_allocation=allocation)
     cluster = Cluster(trace, config, policy(name, config.nodes))
 
     def check() -> None:

@@ -2,45 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 
-from evolving_infra.planner.base import SliceStats, Split, SwitchMode
+from evolving_infra.planner.base import Split, SwitchMode
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.policies import PolicyContext, static
-from evolving_infra.timing.model import IterationModel
 from evolving_infra.workloads.generators import SlotPlan, generate
-
-
-class OneSwitch:
-    """Asks once, at `when`, for `target`; counts `switch_done` calls."""
-
-    name = "one-switch"
-    interval = 10.0
-
-    def __init__(self, mode: SwitchMode, target: Split, when: float = 30.0) -> None:
-        self.switch_mode: SwitchMode = mode
-        self.target = target
-        self.when = when
-        self.asked = False
-        self.done = 0
-        self.windows: list[int] = []
-
-    def decide(
-        self, now: float, split: Split, window: Sequence[SliceStats], model: IterationModel
-    ) -> Split | None:
-        self.windows.append(len(window))
-        if not self.asked and now >= self.when:
-            self.asked = True
-            return self.target
-        return None
-
-    def switch_done(self) -> None:
-        self.done += 1
+from sim_helpers import OneSwitch
 
 
 @pytest.mark.parametrize(

@@ -237,7 +237,11 @@ class Cluster:
             return
         if self.policy.branch_counts and req.hashes:
             self.directory.branch_set(req.key, req.hashes)
-        self._route_prefill(req)
+        if self.config.decode_allocation == "early" and req.output_tokens > 0:
+            # The decode side reserves first; the prefill is routed once it has (`start_transfer`).
+            self._route_decode(req)
+        else:
+            self._route_prefill(req)
 
     def _loads(self, phase: str) -> list[NodeLoad]:
         # A router without an index gets a view of each of the phase's nodes per request (~3 µs
@@ -385,9 +389,19 @@ class Cluster:
             self.metrics.done(req)
             self._respond(req)
             return
-        self._route_decode(req)
+        if self.config.decode_allocation == "early":
+            self.start_transfer(req)  # reserved before the prefill was routed
+        else:
+            self._route_decode(req)
 
     def start_transfer(self, req: SimRequest) -> None:
+        """A decode node has reserved `req`'s KV: the KV moves now, or, with early allocation
+        before the prefill ran, the prefill is routed (SGLang's prefill node queues a request
+        once bootstrapped; here the prefill node is also chosen then, where SGLang's gateway
+        chooses both at dispatch and the prefill waits in that node's bootstrap queue)."""
+        if req.prefill_done < 0:
+            self._route_prefill(req)
+            return
         moved = max(req.prompt_tokens - req.h_d * self.block_size, 0)
         c = self.config
         seconds = c.transfer_latency + moved * c.kv_bytes_per_token / c.pd_bandwidth

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from evolving_infra.argtypes import natural_int, positive_int, positive_seconds
-from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.config import DECODE_ALLOCATIONS, SimConfig
 from evolving_infra.sim.plots import timelines
 from evolving_infra.sim.run import BEST_STATIC, compare, main_table
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
@@ -69,6 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=natural_int, default=0, help="seed (default: 0)")
     parser.add_argument(
+        "--decode-allocation",
+        choices=DECODE_ALLOCATIONS,
+        default="prefill_complete",
+        help="when a decode node reserves a request's KV, as SGLang's "
+        "--disaggregation-decode-allocation-policy: prefill_complete (after the prefill, which "
+        "keeps the KV pinned on the prefill node meanwhile) or early (SGLang's default: first, "
+        "and the prefill waits for it) (default: prefill_complete)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="output folder (default: sim-results)"
     )
     parser.add_argument(
@@ -95,7 +104,11 @@ def run(args: argparse.Namespace) -> int:
     deployment = Deployment(MODELS[args.model], GPUS[args.gpu], tp=args.tp)
     try:
         config = SimConfig(
-            gpus=args.gpus, deployment=deployment, seed=args.seed, duration=args.duration
+            gpus=args.gpus,
+            deployment=deployment,
+            seed=args.seed,
+            duration=args.duration,
+            decode_allocation=args.decode_allocation,
         )
     except ValueError as e:
         raise WorkloadError(str(e)) from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from evolving_infra.planner.base import Split
 from evolving_infra.timing.specs import (
@@ -26,6 +26,9 @@ from evolving_infra.timing.ttft import DEFAULT_L2_BANDWIDTH, DEFAULT_POOL_BANDWI
 HOST_MEMORY_PER_GPU = 2**40 / 8
 # Far-future last-access time: how a running request pins its blocks (see `kv.py`).
 PIN_TIME = 1e15
+
+DecodeAllocation = Literal["prefill_complete", "early"]
+DECODE_ALLOCATIONS: tuple[DecodeAllocation, ...] = ("prefill_complete", "early")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,13 @@ class SimConfig:
     # Phase switches (docs/simulator.md): in place 6.2 s, a restart 700 s.
     switch_in_place_s: float = 6.2
     switch_restart_s: float = 700.0
+    # When a decode node reserves a request's KV (SGLang's `--disaggregation-decode-allocation-
+    # policy`): "prefill_complete" once the prefill is done, which keeps the prompt's KV pinned
+    # on the prefill node until a decode node has room; "early" (SGLang 0.5.23's default) at
+    # dispatch, and the prefill waits for it (SGLang's bootstrap queue), so a saturated decode
+    # side leaves prefill nodes idle rather than their caches full of pinned KV. The documented
+    # runs so far used "prefill_complete" (docs/scenarios.md, cc-high).
+    decode_allocation: DecodeAllocation = "prefill_complete"
     planner_interval: float | None = None  # None: the planner's own `interval`
     planner_window_s: float = 600.0  # slices handed to the planner: those of this past
     metrics_interval: float = 60.0  # one timeline point per simulated minute
@@ -72,6 +82,11 @@ class SimConfig:
         tp = self.deployment.tp
         if self.gpus < 2 * tp or self.gpus % tp:
             raise ValueError(f"gpus ({self.gpus}) must be a multiple of tp ({tp}), >= 2 nodes")
+        if self.decode_allocation not in DECODE_ALLOCATIONS:
+            raise ValueError(
+                f"decode_allocation must be one of {', '.join(DECODE_ALLOCATIONS)},"
+                f" got {self.decode_allocation!r}"
+            )
         if self.chunk_tokens < 1 or self.decode_span_cap < 1:
             raise ValueError("chunk_tokens and decode_span_cap must be >= 1")
         for name in ("net_bandwidth_per_gpu", "l2_bandwidth_per_gpu", "sample_interval"):

@@ -1,0 +1,50 @@
+"""Helpers of the simulator's tests: a planner that switches once, and where requests sit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from evolving_infra.planner.base import SliceStats, Split, SwitchMode
+from evolving_infra.sim.agents import SimRequest
+from evolving_infra.sim.cluster import Cluster
+from evolving_infra.timing.model import IterationModel
+
+
+class OneSwitch:
+    """Asks once, at `when`, for `target`; counts `switch_done` calls."""
+
+    name = "one-switch"
+    interval = 10.0
+
+    def __init__(self, mode: SwitchMode, target: Split, when: float = 30.0) -> None:
+        self.switch_mode: SwitchMode = mode
+        self.target = target
+        self.when = when
+        self.asked = False
+        self.done = 0
+        self.windows: list[int] = []
+
+    def decide(
+        self, now: float, split: Split, window: Sequence[SliceStats], model: IterationModel
+    ) -> Split | None:
+        self.windows.append(len(window))
+        if not self.asked and now >= self.when:
+            self.asked = True
+            return self.target
+        return None
+
+    def switch_done(self) -> None:
+        self.done += 1
+
+
+def in_system(cluster: Cluster) -> list[SimRequest]:
+    """Every issued, unanswered request, found where it sits (queues, batches, transfers)."""
+    out: list[SimRequest] = [*cluster.pending_prefill, *cluster.pending_decode]
+    for n in cluster.nodes:
+        out += [*n.queue, *n.running, *n.batch, *n.joining, *n.waiting]
+    for _, _, fn, arg in cluster._heap:
+        if getattr(fn, "__name__", "") == "_arrived":
+            out.append(arg)
+    # A request whose prefill finished is in no prefill list: it waits for a decode node
+    # (above) or its KV is in flight (the heap); it is never in two places.
+    return out
