@@ -54,6 +54,7 @@ test: lint test-rust test-py ## everything CI runs: lint (clippy, stubtest, mypy
 
 test-rust: ## cargo tests (unit, property, golden)
 	cargo test --workspace --exclude kvdir-py --all-targets
+	cargo test -p kvdir-py --lib alloc  # the bindings' one Rust test: their allocator
 
 test-py: build $(SGLANG) ## pytest (the SGLang backend's tests included: `pytest -m sglang`)
 	$(VENV)/bin/pytest -q

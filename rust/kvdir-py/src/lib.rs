@@ -2,17 +2,15 @@
 //! arguments are converted here, the work happens in the core crate, errors are converted in
 //! `errors.rs`.
 
+mod alloc;
 mod convert;
 mod directory;
 mod errors;
 
 use pyo3::prelude::*;
 
-// The directory's own buffers (holder lists moving on and off the heap as blocks gain and lose
-// a second place, the eviction candidates popped per call, the vectors handed back to Python)
-// come and go by the thousand per call; glibc's malloc was ~7% of a simulation's time.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::SmallInMimalloc = alloc::SmallInMimalloc;
 
 /// SGLang 0.5.23 page hashes of every full page of `token_ids` (signed 64-bit ints).
 #[pyfunction]
