@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
@@ -41,10 +42,17 @@ def in_system(cluster: Cluster) -> list[SimRequest]:
     """Every issued, unanswered request, found where it sits (queues, batches, transfers)."""
     out: list[SimRequest] = [*cluster.pending_prefill, *cluster.pending_decode]
     for n in cluster.nodes:
-        out += [*n.queue, *n.running, *n.batch, *n.joining, *n.waiting]
+        out += [*n.queue, *n.held.values(), *n.running, *n.batch, *n.joining, *n.waiting]
     for _, _, fn, arg in cluster._heap:
         if getattr(fn, "__name__", "") == "_arrived":
             out.append(arg)
     # A request whose prefill finished is in no prefill list: it waits for a decode node
-    # (above) or its KV is in flight (the heap); it is never in two places.
-    return out
+    # (above) or its KV is in flight (the heap). The one request in two places: under early
+    # decode allocation, one that waits for its decode node's reservation is also held by its
+    # prefill node (or waits for one, `pending_prefill`).
+    places = Counter(r.id for r in out)
+    unique = list({r.id: r for r in out}.values())
+    for r in unique:
+        early_wait = r.prefill_done < 0 and not r.bootstrapped
+        assert places[r.id] <= (2 if early_wait else 1), f"{r} is in {places[r.id]} places"
+    return unique

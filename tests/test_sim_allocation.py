@@ -20,11 +20,12 @@ from sim_helpers import OneSwitch, in_system
 DECODE_STARVED = Split(3, 1)
 
 
-def _run(allocation: DecodeAllocation) -> tuple[Cluster, dict[str, int]]:
+def _run(allocation: DecodeAllocation, admission: bool) -> tuple[Cluster, dict[str, int]]:
     trace = generate("cc", SlotPlan(agents=40, duration=600, seed=4))
     config = SimConfig(gpus=16, duration=400, seed=1, decode_allocation=allocation)
-    cluster = Cluster(trace, config, static(DECODE_STARVED))
-    seen = {"prefilled_waiting": 0, "queued_prefills": 0, "events": 0}
+    spec = replace(static(DECODE_STARVED), admission=admission)
+    cluster = Cluster(trace, config, spec)
+    seen = {"prefilled_waiting": 0, "queued_prefills": 0, "held": 0, "events": 0}
 
     def check() -> None:
         seen["events"] += 1
@@ -33,33 +34,52 @@ def _run(allocation: DecodeAllocation) -> tuple[Cluster, dict[str, int]]:
         seen["prefilled_waiting"] += sum(r.prefill_done >= 0 for r in waiting)
         if allocation == "early":
             for r in waiting:
-                # Not reserved yet, so not routed to a prefill node either.
                 assert r.prefill_done < 0
-                assert r.prefill_node < 0
+                assert not r.bootstrapped
+                if admission:
+                    # Not reserved yet, so not routed to a prefill node either.
+                    assert r.prefill_node < 0
+                else:
+                    # Not reserved yet: its prefill node (chosen at dispatch) holds it in its
+                    # bootstrap queue, off the prefill queue.
+                    p = cluster.nodes[r.prefill_node]
+                    assert p.held.get(r.id) is r or r in cluster.pending_prefill
             for n in cluster.nodes:
                 if n.phase != "prefill":
                     continue
                 for r in (*n.queue, *n.running):
                     seen["queued_prefills"] += 1
-                    # A decode node holds the room of every request a prefill node has.
+                    # A decode node holds the room of every request a prefill node queues.
+                    assert r.bootstrapped
                     assert r.decode_node >= 0
                     d = cluster.nodes[r.decode_node]
                     assert d.phase == "decode"
                     assert r.res_d + r.pin_d > 0
                     assert r not in d.waiting
+                for r in n.held.values():
+                    assert not r.bootstrapped
+                    assert r.res_d + r.pin_d == 0
+        seen["held"] += sum(len(n.held) for n in cluster.nodes)
 
     cluster.run(check=check)
     return cluster, seen
 
 
-def test_early_allocation_prefills_only_requests_a_decode_node_has_room_for() -> None:
-    late, late_seen = _run("prefill_complete")
-    early, early_seen = _run("early")
+@pytest.mark.parametrize("admission", [False, True])
+def test_early_allocation_prefills_only_requests_a_decode_node_has_room_for(
+    admission: bool,
+) -> None:
+    """With the router's decode-KV gate (`PolicySpec.admission`) a request meets its prefill
+    node once its decode node has reserved; without it, at dispatch, and waits there."""
+    late, late_seen = _run("prefill_complete", admission)
+    early, early_seen = _run("early", admission)
     # The workload does starve the decode node: after their prefill, requests waited for it...
     assert late_seen["prefilled_waiting"] > 0
+    assert late_seen["held"] == 0
     # ...which early allocation never lets happen (and it did prefill, under the check above).
     assert early_seen["prefilled_waiting"] == 0
     assert early_seen["queued_prefills"] > 0
+    assert (early_seen["held"] > 0) != admission
     for cluster in (late, early):
         m = cluster.metrics
         assert m.completed > 0

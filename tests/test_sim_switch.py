@@ -9,7 +9,7 @@ import pytest
 from evolving_infra.planner.base import Split, SwitchMode
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
-from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.config import DecodeAllocation, SimConfig
 from evolving_infra.sim.policies import PolicyContext, static
 from evolving_infra.workloads.generators import SlotPlan, generate
 from sim_helpers import OneSwitch
@@ -82,15 +82,22 @@ def test_a_target_while_switching_is_refused_and_reported_done() -> None:
         cluster.switcher.request(Split(4, 1), 0.0)
 
 
-def test_a_draining_prefill_node_hands_its_queue_to_the_others() -> None:
-    """Queued, not-started prefills move to the other prefill nodes at once: the switch waits
-    only for the iterations already running, not for the whole queue."""
+@pytest.mark.parametrize(
+    ("allocation", "admission"), [("prefill_complete", True), ("early", False)]
+)
+def test_a_draining_prefill_node_hands_its_queue_to_the_others(
+    allocation: DecodeAllocation, admission: bool
+) -> None:
+    """Queued, not-started prefills move to the other prefill nodes at once, and so do those
+    held for their decode node's reservation (early allocation without the router's gate): the
+    switch waits only for the iterations already running, not for the whole queue."""
     trace = generate("cc", SlotPlan(agents=60, duration=600, seed=5))
     planner = OneSwitch("in-place-keep", Split(1, 3), when=120.0)
+    spec = replace(static(Split(2, 2)), name="one-switch", planner=lambda ctx: planner)
     cluster = Cluster(
         trace,
-        SimConfig(gpus=16, duration=400, seed=2),
-        replace(static(Split(2, 2)), name="one-switch", planner=lambda ctx: planner),
+        SimConfig(gpus=16, duration=400, seed=2, decode_allocation=allocation),
+        replace(spec, admission=admission),
     )
     before: dict[int, int] = {}  # prefill queue lengths after the last event before the switch
     queued_when_asked: list[int] = []
@@ -99,12 +106,16 @@ def test_a_draining_prefill_node_hands_its_queue_to_the_others() -> None:
         assert cluster.switcher is not None
         if not cluster.switcher.in_flight and not queued_when_asked:
             before.clear()
-            before.update((n.id, len(n.queue)) for n in cluster.nodes if n.phase == "prefill")
+            before.update(
+                (n.id, len(n.queue) + len(n.held)) for n in cluster.nodes if n.phase == "prefill"
+            )
         elif cluster.switcher.in_flight and not queued_when_asked:
             queued_when_asked.extend(before[i] for i in cluster.switcher.in_flight)
         for n in cluster.nodes:
             if n.state == "draining" and n.phase == "prefill":
-                assert not n.queue  # handed back the moment draining began
+                # Handed back the moment draining began.
+                assert not n.queue
+                assert not n.held
 
     cluster.run(check=check)
     assert cluster.switcher is not None
@@ -119,15 +130,16 @@ def test_a_draining_prefill_node_hands_its_queue_to_the_others() -> None:
 def test_a_prefill_node_switching_to_decode_adopts_the_requests_it_prefilled(
     mode: SwitchMode,
 ) -> None:
-    """Decode saturated (Putnam's long outputs on one decode node): finished prefills wait with
-    their KV pinned on the prefill nodes. Keeping its KV, a prefill node switching to decode
-    takes the ones it prefilled and decodes them itself, instead of draining until the saturated
-    node admits them; a switch that drops the KV cannot, and waits."""
+    """Decode saturated (Putnam's long outputs on one decode node) under `prefill_complete`
+    allocation: finished prefills wait with their KV pinned on the prefill nodes. Keeping its
+    KV, a prefill node switching to decode takes the ones it prefilled and decodes them itself,
+    instead of draining until the saturated node admits them; a switch that drops the KV
+    cannot, and waits. (Under early allocation no finished prefill waits for a decode node.)"""
     trace = generate("putnam", SlotPlan(agents=12, duration=900, seed=4))
     planner = OneSwitch(mode, Split(2, 2), when=120.0)
     cluster = Cluster(
         trace,
-        SimConfig(gpus=16, duration=600, seed=2),
+        SimConfig(gpus=16, duration=600, seed=2, decode_allocation="prefill_complete"),
         replace(static(Split(3, 1)), name="one-switch", planner=lambda ctx: planner),
     )
     assert cluster.switcher is not None

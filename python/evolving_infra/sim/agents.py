@@ -32,6 +32,7 @@ class SimRequest:
 
     __slots__ = (
         "agent",
+        "bootstrapped",
         "branch",
         "cached_blocks",
         "context",
@@ -84,6 +85,8 @@ class SimRequest:
         self.pred_s = 0.0
         self.fetch_ready = 0.0
         self.prefetched = False
+        # Early decode allocation: its decode node has reserved its KV (the prefill may run).
+        self.bootstrapped = False
         # Blocks pinned and reserved on the prefill and decode nodes; the decode node's own
         # leading L1 blocks of the prompt when the transfer started.
         self.pin_p = self.res_p = self.pin_d = self.res_d = self.h_d = 0

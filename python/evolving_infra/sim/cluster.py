@@ -134,6 +134,8 @@ class Cluster:
         self._observe_gap = 1.0 / config.observe_per_s if config.observe_per_s > 0 else 0.0
         self._has_observe_fetch = hasattr(self.router, "observe_fetch")
         self._dirty: set[int] = set(range(len(self.nodes)))  # views `index` has not seen
+        self._early = config.decode_allocation == "early"
+        self._admit_first = self._early and policy.admission
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -237,8 +239,9 @@ class Cluster:
             return
         if self.policy.branch_counts and req.hashes:
             self.directory.branch_set(req.key, req.hashes)
-        if self.config.decode_allocation == "early" and req.output_tokens > 0:
-            # The decode side reserves first; the prefill is routed once it has (`start_transfer`).
+        if self._admit_first and req.output_tokens > 0:
+            # The router's decode-KV gate (`PolicySpec.admission`): the decode node reserves
+            # first, the prefill node is chosen once it has (`start_transfer`).
             self._route_decode(req)
         else:
             self._route_prefill(req)
@@ -281,10 +284,16 @@ class Cluster:
         # A request a draining node handed back (placed before) is not a new arrival.
         first = req.prefill_node < 0
         req.prefill_node = p
-        u, c = node.enqueue(req, self.now, match)
+        # Early decode allocation (SGLang's default) without the router's gate: the prefill node
+        # is chosen now, with the decode node, as SGLang's gateway dispatches, and holds the
+        # request in its bootstrap queue until the decode node has reserved (`start_transfer`).
+        hold = self._early and req.output_tokens > 0 and not req.bootstrapped
+        u, c = (node.hold if hold else node.enqueue)(req, self.now, match)
         self._dirty.add(p)
         if first:
             self.slices.arrival(req.prompt_tokens, u, c)
+            if hold:
+                self._route_decode(req)
 
     def _route_decode(self, req: SimRequest) -> None:
         if not self._accepting("decode"):
@@ -389,18 +398,24 @@ class Cluster:
             self.metrics.done(req)
             self._respond(req)
             return
-        if self.config.decode_allocation == "early":
-            self.start_transfer(req)  # reserved before the prefill was routed
+        if self._early:
+            self.start_transfer(req)  # reserved before the prefill was queued
         else:
             self._route_decode(req)
 
     def start_transfer(self, req: SimRequest) -> None:
         """A decode node has reserved `req`'s KV: the KV moves now, or, with early allocation
-        before the prefill ran, the prefill is routed (SGLang's prefill node queues a request
-        once bootstrapped; here the prefill node is also chosen then, where SGLang's gateway
-        chooses both at dispatch and the prefill waits in that node's bootstrap queue)."""
+        before the prefill ran, the prefill node queues the request (SGLang's prefill node
+        queues it once bootstrapped), chosen now under the router's gate. A request handed back
+        by a draining prefill node and not placed again yet (`pending_prefill`) is queued when
+        it is."""
         if req.prefill_done < 0:
-            self._route_prefill(req)
+            req.bootstrapped = True
+            if req.prefill_node < 0:
+                self._route_prefill(req)  # the gate's way: the prefill node is chosen now
+            else:
+                self.nodes[req.prefill_node].bootstrap(req, self.now)
+                self._dirty.add(req.prefill_node)
             return
         moved = max(req.prompt_tokens - req.h_d * self.block_size, 0)
         c = self.config

@@ -71,11 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-allocation",
         choices=DECODE_ALLOCATIONS,
-        default="prefill_complete",
+        default="early",
         help="when a decode node reserves a request's KV, as SGLang's "
-        "--disaggregation-decode-allocation-policy: prefill_complete (after the prefill, which "
-        "keeps the KV pinned on the prefill node meanwhile) or early (SGLang's default: first, "
-        "and the prefill waits for it) (default: prefill_complete)",
+        "--disaggregation-decode-allocation-policy: early (SGLang's default, which the live "
+        "system's engines run: first, and the prefill waits for it) or prefill_complete (after "
+        "the prefill, which keeps the KV pinned on the prefill node meanwhile) (default: early)",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="output folder (default: sim-results)"

@@ -58,9 +58,10 @@ class SimConfig:
     # policy`): "prefill_complete" once the prefill is done, which keeps the prompt's KV pinned
     # on the prefill node until a decode node has room; "early" (SGLang 0.5.23's default) at
     # dispatch, and the prefill waits for it (SGLang's bootstrap queue), so a saturated decode
-    # side leaves prefill nodes idle rather than their caches full of pinned KV. The documented
-    # runs so far used "prefill_complete" (docs/scenarios.md, cc-high).
-    decode_allocation: DecodeAllocation = "prefill_complete"
+    # side leaves prefill nodes idle rather than their caches full of pinned KV. The engines
+    # of the live system run SGLang's default, hence the default here (docs/scenarios.md,
+    # cc-high, for what the choice changes).
+    decode_allocation: DecodeAllocation = "early"
     planner_interval: float | None = None  # None: the planner's own `interval`
     planner_window_s: float = 600.0  # slices handed to the planner: those of this past
     metrics_interval: float = 60.0  # one timeline point per simulated minute

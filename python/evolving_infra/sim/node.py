@@ -94,13 +94,14 @@ class Node:
         self.env = env
         # prefill
         self.queue: deque[SimRequest] = deque()
+        self.held: dict[int, SimRequest] = {}  # bootstrap queue: decode KV not reserved yet
         self.running: list[SimRequest] = []  # admitted, tokens left to compute
         self.busy = False
         self._iter: list[tuple[SimRequest, int]] = []
         self._iter_pairs: list[tuple[int, int]] = []
         self._iter_compute = 0.0
-        self.queued_s = 0.0  # predicted seconds of prefill work queued or running
-        self.queued_tokens = 0  # uncached tokens queued or running
+        self.queued_s = 0.0  # predicted seconds of prefill work held, queued or running
+        self.queued_tokens = 0  # uncached tokens held, queued or running
         # decode
         self.batch: list[SimRequest] = []
         # NOTE: kept as the batch changes rather than summed per span and per planner sample
@@ -136,7 +137,7 @@ class Node:
     def drained(self) -> bool:
         """Nothing runs, waits or holds KV here: the node may switch."""
         if self.phase == "prefill":
-            return not (self.busy or self.queue or self.running or self.kv.pinned)
+            return not (self.busy or self.queue or self.held or self.running or self.kv.pinned)
         return not (self.in_span or self.batch or self.joining or self.inbound or self.waiting)
 
     # -- prefill ------------------------------------------------------------------------------
@@ -167,20 +168,49 @@ class Node:
     ) -> tuple[int, int]:
         """Queues `req` for prefill; returns its (uncached, cached) prompt tokens as estimated
         now (the demand the planner's slices count). `match`: as in `reach`."""
-        bs, t = self.s.block_size, req.prompt_tokens
-        l1, l12, pool, c = self.reach(req.hashes, match)
-        u = max(t - min(c * bs, t), 1)
+        reach = self.reach(req.hashes, match)
+        u = self._count(req, reach[3])
+        self._queue(req, reach, now)
+        return u, req.prompt_tokens - u
+
+    def hold(
+        self, req: SimRequest, now: float, match: PrefixMatch | None = None
+    ) -> tuple[int, int]:
+        """Takes `req` into the bootstrap queue: with early decode allocation (SGLang's
+        `PrefillBootstrapQueue`) the prefill node is chosen at dispatch and the request waits
+        here, off the prefill queue, until its decode node has reserved its KV (`bootstrap`).
+        Its predicted seconds count in `queued_s` from now on, as the live router counts a
+        dispatched prefill (`router.pd`). Returns what `enqueue` returns."""
+        u = self._count(req, self.reach(req.hashes, match)[3])
+        self.held[req.id] = req
+        return u, req.prompt_tokens - u
+
+    def bootstrap(self, req: SimRequest, now: float) -> bool:
+        """`req`'s decode node has reserved its KV: it leaves the bootstrap queue for the
+        prefill queue. False if it is not held here (it was handed back, `take_queued`)."""
+        if self.held.pop(req.id, None) is None:
+            return False
+        self._queue(req, self.reach(req.hashes), now)
+        return True
+
+    def _count(self, req: SimRequest, c: int) -> int:
+        """Counts `req`'s predicted work (its prompt's `c` leading blocks cached) in this
+        node's queue; returns its uncached tokens."""
+        t = req.prompt_tokens
+        u = max(t - min(c * self.s.block_size, t), 1)
         req.cached_blocks = c
         req.uncached = u
         req.pred_s = self.env.model.predict_prefill_one(u, t - u)
         self.queued_s += req.pred_s
         self.queued_tokens += u
+        return u
+
+    def _queue(self, req: SimRequest, reach: tuple[int, int, int, int], now: float) -> None:
         self.queue.append(req)
         if self.s.prefetch:
-            self._prefetch(req, l1, l12, pool, c, now)
+            self._prefetch(req, *reach, now)
         if not self.busy:
             self._next_prefill(now)
-        return u, t - u
 
     def prefetch(self, req: SimRequest, now: float) -> bool:
         """Fetches a queued request's cached blocks into L1 now (pinned until it runs), as
@@ -312,7 +342,7 @@ class Node:
                 finished.append(r)
         if finished:
             self.running = [r for r in self.running if r.remaining > 0]
-        if not self.running and not self.queue:
+        if not self.running and not self.queue and not self.held:
             self.queued_s, self.queued_tokens = 0.0, 0  # no float drift across idle periods
         for r in finished:
             self._complete_prefill(r, now)
@@ -408,21 +438,25 @@ class Node:
 
     def take_queued(self, now: float) -> list[SimRequest]:
         """The prefill requests queued here and not started, released (their prefetch pins
-        undone): a draining node hands them to other nodes rather than working through them
-        first, which made a switch wait minutes behind a long queue."""
+        undone), then those in the bootstrap queue: a draining node hands them to other nodes
+        rather than working through them first, which made a switch wait minutes behind a long
+        queue."""
         out = list(self.queue)
         self.queue.clear()
+        held = list(self.held.values())
+        self.held.clear()
         for r in out:
             if r.prefetched:
                 self.kv.unpin(r.hashes, now)
                 self.kv.pinned -= r.pin_p
                 r.pin_p = 0
                 r.prefetched = False
+        for r in out + held:
             self.queued_s -= r.pred_s
             self.queued_tokens -= r.uncached
         if not self.running:
             self.queued_s, self.queued_tokens = 0.0, 0  # no float drift once idle
-        return out
+        return out + held
 
     def arrive(self, req: SimRequest, now: float) -> None:
         """The request's KV is here: it joins the batch (after the span in flight, if any)."""

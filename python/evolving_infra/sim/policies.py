@@ -1,11 +1,11 @@
 """The policies a run compares (docs/simulator.md, "Policies"): routing, planner and KV handling.
 
-| name | router | planner | eviction | shared pool | prefetch |
-|---|---|---|---|---|---|
-| `evolving` | `routing.evolving` | `planner.evolving` | branch-aware | yes | yes |
-| `dynamo` | `routing.dynamo` | `planner.dynamo` | LRU | no | no |
-| `arrow` | `routing.least_loaded` | `planner.arrow` | LRU | yes | no |
-| `static:xPyD` | as `evolving` | none (fixed split) | as `evolving` |  |  |
+| name | router | planner | eviction | shared pool | prefetch | decode-KV admission |
+|---|---|---|---|---|---|---|
+| `evolving` | `routing.evolving` | `planner.evolving` | branch-aware | yes | yes | yes |
+| `dynamo` | `routing.dynamo` | `planner.dynamo` | LRU | no | no | no |
+| `arrow` | `routing.least_loaded` | `planner.arrow` | LRU | yes | no | no |
+| `static:xPyD` | as `evolving` | none (fixed split) | as `evolving` |  |  |  |
 
 `best-static` is not a policy but a comparison: every split run as `static` (`run.compare`).
 
@@ -50,7 +50,13 @@ class PolicySpec:
     - `shared_pool`: a prefill may read blocks any node holds (another node's L1 over the
       network, any L2: the pool); without it only its own L1 and L2;
     - `prefetch`: blocks outside L1 are fetched while the request waits in the prefill queue;
-    - `split`: the starting split (None: `SimConfig.split()`); `planner` None keeps it.
+    - `split`: the starting split (None: `SimConfig.split()`); `planner` None keeps it;
+    - `admission`: the router dispatches a request only once a decode node has room for its KV
+      (the live router's decode-KV gate, `router.admission`). Under early decode allocation its
+      decode node then reserves first and its prefill node is chosen once it has; without the
+      gate both are chosen at dispatch (SGLang's gateway, Dynamo's router) and the prefill
+      node holds the request until its decode node has reserved (`Node.hold`). Under
+      `prefill_complete` allocation it changes nothing.
     """
 
     name: str
@@ -61,6 +67,7 @@ class PolicySpec:
     prefetch: bool
     branch_counts: bool
     split: Split | None = None
+    admission: bool = False
 
     def __post_init__(self) -> None:
         if (self.eviction == "branch-aware") != self.branch_counts:
@@ -138,11 +145,19 @@ def static(split: Split, name: str | None = None) -> PolicySpec:
         prefetch=True,
         branch_counts=True,
         split=split,
+        admission=True,
     )
 
 
 EVOLVING = PolicySpec(
-    "evolving", _evolving_router, _evolving_planner, "branch-aware", True, True, True
+    "evolving",
+    _evolving_router,
+    _evolving_planner,
+    "branch-aware",
+    True,
+    True,
+    True,
+    admission=True,
 )
 DYNAMO = PolicySpec("dynamo", _dynamo_router, _dynamo_planner, "lru", False, False, False)
 ARROW = PolicySpec("arrow", _least_loaded_router, _arrow_planner, "lru", True, False, False)
