@@ -88,6 +88,7 @@ class RouterConfig:
     branch_ttl: float = DEFAULT_BRANCH_TTL
     log_level: Level = "info"
     planner: bool = True  # False: keep the engines' phases (the "no planner" ablation)
+    admission: bool = True  # False: dispatch at once, as SGLang's gateway (`router.admission`)
     planner_interval: float = DEFAULT_PLANNER_INTERVAL
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
@@ -112,6 +113,7 @@ class RouterConfig:
             branch_ttl=args.branch_ttl,
             log_level=args.log_level,
             planner=not args.no_planner,
+            admission=not args.no_admission,
             planner_interval=args.planner_interval,
             shutdown_timeout=args.shutdown_timeout,
             control_api_key=secret(args.control_api_key, CONTROL_API_KEY_ENV),
@@ -196,6 +198,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-planner",
         action="store_true",
         help="never switch engine phases (the split stays as the engines started)",
+    )
+    parser.add_argument(
+        "--no-admission",
+        action="store_true",
+        help="dispatch each request at once, as SGLang's gateway does, instead of holding it"
+        " until a decode engine has room for its KV by the router's count (its prompt and"
+        " max_tokens); the prefill engine then holds it while the decode engine is full",
     )
     parser.add_argument(
         "--control-api-key",

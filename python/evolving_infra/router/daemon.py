@@ -221,6 +221,7 @@ class RouterDaemon:
             self.model,
             page_size=cfg.page_size,
             session=self._session,
+            admission=cfg.admission,
         )
         self.planner = LivePlanner(
             self.dispatcher,
@@ -232,6 +233,9 @@ class RouterDaemon:
         )
         self.dispatcher.slices = self.planner.slices
         self.metrics.watch_engines(self.engine_views)
+        gate = self.dispatcher.gate
+        if gate is not None:
+            self.metrics.watch_admission(lambda: gate.waiting)
         self.dispatcher.on_dispatch = self.metrics.overhead.observe
         app = build_app(
             self.dispatcher,

@@ -48,6 +48,16 @@ class _BranchCollector(Collector):
         yield g
 
 
+class _ValueCollector(Collector):
+    """One unlabelled gauge read at scrape time."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self._name, self._doc, self._read = name, doc, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self._name, self._doc, value=self._read())
+
+
 @dataclass(frozen=True, slots=True)
 class EngineView:
     """One engine as `/metrics` shows it: its state, phase and the blocks the directory says it
@@ -161,6 +171,17 @@ class RouterMetrics:
     def watch_engines(self, read: Callable[[], list[EngineView]]) -> None:
         """Report `read()`'s engines as `evolving_engine_state` and `evolving_directory_blocks`."""
         self.registry.register(_EngineCollector(read))
+
+    def watch_admission(self, read: Callable[[], int]) -> None:
+        """Report `read()` as `evolving_admission_waiting`: requests the router holds until a
+        decode engine has room for their KV (`router.admission`)."""
+        self.registry.register(
+            _ValueCollector(
+                "evolving_admission_waiting",
+                "Requests held by the router until a decode engine has room for their KV",
+                read,
+            )
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,6 +36,7 @@ import structlog
 
 from evolving_infra._core import KvDirectory, PrefixMatch
 from evolving_infra.planner.slices import Slices
+from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import (
     DispatcherHealth,
     EngineFailedError,
@@ -145,6 +146,10 @@ class LoadTracker:
         load.decode_context = max(load.decode_context - context, 0)
         load.kv_used_blocks = max(load.kv_used_blocks - blocks, 0)
 
+    def used_blocks(self, node: int) -> int:
+        load = self.loads.get(node)
+        return load.kv_used_blocks if load is not None else 0
+
     def view(self, engines: Sequence[EngineHandle]) -> list[NodeLoad]:
         out = []
         for e in engines:
@@ -201,6 +206,7 @@ class PdDispatcher:
         default_max_tokens: int = 256,
         request_timeout_s: float = 600.0,
         seed: int | None = None,
+        admission: bool = True,
     ) -> None:
         self.engines: dict[int, EngineHandle] = {e.node: e for e in engines}
         self.directory = directory
@@ -220,12 +226,17 @@ class PdDispatcher:
         # its requests pulled back at once instead of at their timeouts.
         self._inflight: dict[int, set[asyncio.Task[Any]]] = {}
         self._aborted: dict[asyncio.Task[Any], tuple[int, str]] = {}
+        # Requests wait here until a decode engine has room for their KV (`router.admission`).
+        self.gate = (
+            DecodeGate(self._decode_room, max_wait_s=request_timeout_s) if admission else None
+        )
 
     # -- engine states (the daemon's discovery and health loops call these) ---------------------
 
     def add_engine(self, engine: EngineHandle) -> None:
         """An engine that joined after start, or came back (perhaps on other ports)."""
         self.engines[engine.node] = engine
+        self._room_changed()
 
     def abort_engine(self, node: int, reason: str) -> int:
         """Pulls back every request in flight on `node` (an engine that stopped answering):
@@ -245,9 +256,27 @@ class PdDispatcher:
         if e.state != state:
             log.info("engine_state", node=node, old=e.state, new=state, reason=reason)
         e.state, e.reason = state, reason
+        self._room_changed()
 
     def set_phase(self, node: int, phase: Phase) -> None:
         self.engines[node].phase = phase
+        self._room_changed()
+
+    def _room_changed(self) -> None:
+        if self.gate is not None:
+            self.gate.notify()
+
+    def _decode_room(self, blocks: int) -> bool:
+        """Whether an up decode engine has room for `blocks` by the router's count, or waiting
+        cannot help: none is up (the placement says so), or none could ever hold them."""
+        caps = [
+            (e.kv_capacity_blocks, self.loads.used_blocks(e.node))
+            for e in self.engines.values()
+            if e.phase == "decode" and e.state == "up"
+        ]
+        if not caps or blocks > max(cap for cap, _ in caps):
+            return True
+        return any(cap - used >= blocks for cap, used in caps)
 
     def health(self) -> DispatcherHealth:
         up = [e for e in self.engines.values() if e.state == "up"]
@@ -327,6 +356,10 @@ class PdDispatcher:
         return start + b"false}", start + b"true}"
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
+        if self.gate is not None:
+            # The room is taken by `_run` (`add_decode`) with no `await` in between.
+            max_out = request.sampling.max_tokens or self.default_max_tokens
+            await self.gate.wait(blocks_for(len(request.token_ids) + max_out, self.page_size))
         excluded: set[int] = set()
         for attempt in range(2):
             place = self._place(request, excluded)
@@ -438,6 +471,7 @@ class PdDispatcher:
             await stream.aclose()
             prefill_done()
             self.loads.done_decode(d.node, place.decode_blocks, len(req.token_ids))
+            self._room_changed()
             for node in {p.node, d.node}:
                 self._inflight[node].discard(me)
 
