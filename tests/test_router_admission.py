@@ -8,6 +8,7 @@ test finishes, so "B's prefill was not sent while A held the decode KV" is check
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from evolving_infra import KvDirectory, block_hashes
-from evolving_infra.router import api
+from evolving_infra.router import api, config
 from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import Finished, NoEngineError, PreparedRequest, TextPiece
 from evolving_infra.router.pd import EngineHandle, PdDispatcher
@@ -245,3 +246,11 @@ def test_a_request_no_decode_engine_could_hold_is_not_held() -> None:
 
     asyncio.run(run())
     assert sent == ["big"]
+
+
+@pytest.mark.parametrize(("flags", "admission"), [([], True), (["--no-admission"], False)])
+def test_the_gate_is_on_unless_turned_off(flags: list[str], admission: bool) -> None:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    cfg = config.RouterConfig.from_args(parser.parse_args(["--engines", "127.0.0.1:1", *flags]))
+    assert cfg.admission is admission

@@ -145,6 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--l2-blocks", type=natural_int, default=None,
       help="each engine's host KV capacity in pages (default: 1 TiB per 8 GPUs)")  # fmt: skip
     a("--no-planner", action="store_true", help="the router never switches engine phases")
+    a(
+        "--no-admission",
+        action="store_true",
+        help="the router dispatches at once instead of holding requests until a decode engine"
+        " has room for their KV (router --no-admission)",
+    )
     a("--planner-interval", type=positive_seconds, default=60.0,
       help="seconds between the router's phase-split decisions (default: 60)")  # fmt: skip
     a("--log-dir", type=Path, default=Path("cluster-logs"),
@@ -210,6 +216,8 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
                   "--planner-interval", str(args.planner_interval)]  # fmt: skip
         if args.no_planner:
             router.append("--no-planner")
+        if args.no_admission:
+            router.append("--no-admission")
         cluster.spawn("router", router)
         cluster.router_url = f"http://127.0.0.1:{args.router_port}"
         wait_healthy(cluster, f"{cluster.router_url}/health", "the router")
