@@ -123,7 +123,7 @@ class Cluster:
                 self._retry_pending,
                 self._route_prefill,
                 self._take_prefilled,
-                self.start_transfer,
+                self.decode_reserved,
                 self._moved,
             )
         self.pending_prefill: deque[SimRequest] = deque()
@@ -241,7 +241,7 @@ class Cluster:
             self.directory.branch_set(req.key, req.hashes)
         if self._admit_first and req.output_tokens > 0:
             # The router's decode-KV gate (`PolicySpec.admission`): the decode node reserves
-            # first, the prefill node is chosen once it has (`start_transfer`).
+            # first, the prefill node is chosen once it has (`decode_reserved`).
             self._route_decode(req)
         else:
             self._route_prefill(req)
@@ -286,7 +286,7 @@ class Cluster:
         req.prefill_node = p
         # Early decode allocation (SGLang's default) without the router's gate: the prefill node
         # is chosen now, with the decode node, as SGLang's gateway dispatches, and holds the
-        # request in its bootstrap queue until the decode node has reserved (`start_transfer`).
+        # request in its bootstrap queue until the decode node has reserved (`decode_reserved`).
         hold = self._early and req.output_tokens > 0 and not req.bootstrapped
         u, c = (node.hold if hold else node.enqueue)(req, self.now, match)
         self._dirty.add(p)
@@ -307,7 +307,7 @@ class Cluster:
         admitted = self._check(d, "decode").offer(req, self.now)
         self._dirty.add(d)
         if admitted:
-            self.start_transfer(req)
+            self.decode_reserved(req)
 
     def _check(self, node: int, phase: str) -> Node:
         n = self.nodes[node] if 0 <= node < len(self.nodes) else None
@@ -399,11 +399,11 @@ class Cluster:
             self._respond(req)
             return
         if self._early:
-            self.start_transfer(req)  # reserved before the prefill was queued
+            self.decode_reserved(req)  # reserved before the prefill was queued
         else:
             self._route_decode(req)
 
-    def start_transfer(self, req: SimRequest) -> None:
+    def decode_reserved(self, req: SimRequest) -> None:
         """A decode node has reserved `req`'s KV: the KV moves now, or, with early allocation
         before the prefill ran, the prefill node queues the request (SGLang's prefill node
         queues it once bootstrapped), chosen now under the router's gate. A request handed back

@@ -88,7 +88,7 @@ class Switcher:
         back: Callable[[], None],
         reroute_prefill: Callable[[SimRequest], None],
         take_prefilled: Callable[[int], list[SimRequest]] | None = None,
-        start_transfer: Callable[[SimRequest], None] | None = None,
+        decode_reserved: Callable[[SimRequest], None] | None = None,
         moved: Callable[[Node], None] | None = None,
     ) -> None:
         self.nodes = nodes
@@ -102,7 +102,7 @@ class Switcher:
         # in-place-keep, prefill -> decode: requests prefilled on the node and still waiting for
         # a decode node (taken out of the queues they wait in), and how they start decoding.
         self._take_prefilled = take_prefilled
-        self._start_transfer = start_transfer
+        self._decode_reserved = decode_reserved
         # A node's state, phase or KV changed here: the cluster's routing index must hear it
         # before the next routing decision (the reroutes below make some at once).
         self._moved = moved if moved is not None else _ignore
@@ -191,8 +191,8 @@ class Switcher:
             # Its prompt is in this node's L1: the decode admission finds it all (h_d) and
             # the transfer moves nothing.
             if node.adopt(r, log.up):
-                if self._start_transfer is not None:
-                    self._start_transfer(r)
+                if self._decode_reserved is not None:
+                    self._decode_reserved(r)
             else:
                 rest.append(r)
         self._moved(node)

@@ -261,7 +261,7 @@ class EngineCore:
             room.live = live
         if mode == "decode":
             if node.offer(sim, now):
-                self.start_transfer(sim)
+                self.decode_reserved(sim)
         elif room is not None:
             live.task = self.loop.create_task(self._enqueue_when_claimed(live, room))
         elif self.pool is not None and self.pool.up and hashes:
@@ -477,7 +477,7 @@ class EngineCore:
         # would undo the decode's pin), the queue is kicked once the decode holds its KV.
         node.release(req, now, kick=False)
         if node.offer(req, now):
-            self.start_transfer(req)
+            self.decode_reserved(req)
         node.kick(now)
 
     def _room_ready(self, answer: dict[str, Any]) -> None:
@@ -502,7 +502,7 @@ class EngineCore:
         error = GenerateError(f"room {room_id}: no decode engine pulled the KV in time", 504)
         self.release_room(room_id, error)
 
-    def start_transfer(self, req: SimRequest) -> None:
+    def decode_reserved(self, req: SimRequest) -> None:
         live = self._by_sim[req.id]
         if live.mode == "decode":
             live.task = self.loop.create_task(self._pull(live))
