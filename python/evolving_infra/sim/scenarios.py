@@ -234,8 +234,9 @@ _LEVEL_CLAIMS: dict[str, str] = {
     "high": "beyond capacity: evolving >= best static; TTFT balancing avoids 27-34 s P95",
 }
 _LEVEL_CHECKS = (evolving_vs_best_static, lost_reuse, ttft_balancing, switch_cost)
-# Quick times measured for cc-mid (26 s); the rest scale with agents (seed 0, 2 busy cores).
-_WALL_LEVEL = {"low": "~3 min / ~10 s", "mid": "~10 min / ~30 s", "high": "~20 min / ~70 s"}
+# Full: the 2026-12-01 runs (docs/scenario-results/2026-12-01; Putnam's are the shortest, 20-30
+# s). Quick: measured for cc-mid (26 s); the rest scale with agents (seed 0, 2 busy cores).
+_WALL_LEVEL = {"low": "~1-2 min / ~10 s", "mid": "~1-5 min / ~30 s", "high": "~1-4 min / ~70 s"}
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -257,7 +258,7 @@ def _scenarios() -> dict[str, Scenario]:
         "shift",
         "a mix moving from Putnam to OSWorld: does each policy follow the best split?",
         "evolving's throughput >= best static and above Dynamo and Arrow when the mix shifts",
-        "~15 min / ~10 s",
+        "~1 min / ~10 s",
         _shift,
         (beats_baselines, evolving_vs_best_static, lost_reuse, switch_cost),
     )
@@ -265,7 +266,7 @@ def _scenarios() -> dict[str, Scenario]:
         "initial-splits",
         "evolving from 3P6D, 4P5D, 5P4D and 6P3D on 36 GPUs: the split over time, where it ends",
         "initial splits converge to the same split",
-        "~8 min / ~40 s",
+        "~2 min / ~40 s",
         _initial_splits,
         (initial_splits_converge,),
     )
@@ -274,13 +275,13 @@ def _scenarios() -> dict[str, Scenario]:
         "ablation: evolving infrastructure (routing, eviction, pool) on a static split vs full"
         " evolving vs dynamo, on Claude Code and on the shifting mix",
         "the infrastructure alone keeps reuse; the planner adds throughput when the mix shifts",
-        "~15 min / ~15 s",
+        "~1-2 min / ~15 s",
         _no_planner,
         (planner_ablation, lost_reuse),
     )
     for gpus, wall in (
         (36, "~1 min / ~30 s"),
-        (256, "~16 min / ~30 s"),
+        (256, "~7 min / ~30 s"),
         (3072, "~2.5 h / ~70 s"),
     ):
         out[f"scale-{gpus}"] = Scenario(
