@@ -196,6 +196,8 @@ def test_a_prefill_is_sent_only_once_the_decode_engine_has_room(admission: bool)
 
     d._prefill = prefill  # type: ignore[method-assign]
     d._decode = decode  # type: ignore[method-assign,assignment]
+    held: list[float] = []
+    d.on_admitted = held.append
     tokens = 63 * PAGE  # 63 prompt blocks, then max_tokens = one page: 64 blocks
 
     async def run() -> None:
@@ -221,6 +223,8 @@ def test_a_prefill_is_sent_only_once_the_decode_engine_has_room(admission: bool)
         finish["B"].set()
         await b
         assert d.loads.used_blocks(1) == 0
+        # Every admitted request's time at the gate is reported (the histogram's count).
+        assert len(held) == (2 if admission else 0)
 
     asyncio.run(run())
 

@@ -237,6 +237,7 @@ class RouterDaemon:
         if gate is not None:
             self.metrics.watch_admission(lambda: gate.waiting)
         self.dispatcher.on_dispatch = self.metrics.overhead.observe
+        self.dispatcher.on_admitted = self.metrics.admission_wait.observe
         app = build_app(
             self.dispatcher,
             self.tracker,

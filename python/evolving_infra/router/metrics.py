@@ -137,8 +137,15 @@ class RouterMetrics:
         self.overhead = Histogram(
             "evolving_router_overhead_seconds",
             "Arrival to the requests leaving for the engines: parsing, tokenizing, hashing, the"
-            " branch update, the directory match and the routing decision",
+            " branch update, the directory match and the routing decision (not the time held by"
+            " the decode-KV gate)",
             buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "evolving_admission_wait_seconds",
+            "Time a request was held by the router until a decode engine had room for its KV",
+            buckets=E2E_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(

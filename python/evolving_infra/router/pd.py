@@ -221,6 +221,8 @@ class PdDispatcher:
         self.slices: Slices | None = None
         # Told each request's router overhead (arrival to leaving for the engines), in seconds.
         self.on_dispatch: Callable[[float], None] | None = None
+        # Told how long each request was held by the decode-KV gate, in seconds.
+        self.on_admitted: Callable[[float], None] | None = None
         self._rng = random.Random(seed)
         # Requests in flight per engine (their tasks), so that an engine found dead can have
         # its requests pulled back at once instead of at their timeouts.
@@ -356,16 +358,21 @@ class PdDispatcher:
         return start + b"false}", start + b"true}"
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
+        held_s = 0.0
         if self.gate is not None:
             # The room is taken by `_run` (`add_decode`) with no `await` in between.
             max_out = request.sampling.max_tokens or self.default_max_tokens
+            start = time.monotonic()
             await self.gate.wait(blocks_for(len(request.token_ids) + max_out, self.page_size))
+            held_s = time.monotonic() - start
+            if self.on_admitted is not None:
+                self.on_admitted(held_s)
         excluded: set[int] = set()
         for attempt in range(2):
             place = self._place(request, excluded)
             streamed = False
             try:
-                async for event in self._run(request, place, attempt):
+                async for event in self._run(request, place, attempt, held_s):
                     streamed = True
                     yield event
                 return
@@ -394,7 +401,7 @@ class PdDispatcher:
         return aborted
 
     async def _run(
-        self, req: PreparedRequest, place: _Placement, attempt: int
+        self, req: PreparedRequest, place: _Placement, attempt: int, held_s: float = 0.0
     ) -> AsyncIterator[GenerationEvent]:
         room = self._rng.randint(0, ROOM_MAX)
         prefill_body, decode_body = self._bodies(req, place, room, attempt)
@@ -417,7 +424,8 @@ class PdDispatcher:
                 self.loads.done_prefill(p.node, place.prefill_s, place.uncached)
 
         if self.on_dispatch is not None and attempt == 0:
-            self.on_dispatch(time.monotonic() - req.arrival)
+            # The router's own cost: the time held by the gate is queueing, not overhead.
+            self.on_dispatch(time.monotonic() - req.arrival - held_s)
         prefill = asyncio.create_task(self._prefill(p, prefill_body))
         prefill.add_done_callback(prefill_done)
         stream = self._decode(d, decode_body)
