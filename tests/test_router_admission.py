@@ -41,37 +41,49 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+class _Clients:
+    """Requests through one gate, in the order they pass it; with `take`, each takes its room
+    before its next await, as the dispatcher does."""
+
+    def __init__(self, *, take: bool) -> None:
+        self.room = _Room(0)
+        self.gate = DecodeGate(self.room, max_wait_s=60.0)
+        self.order: list[str] = []
+        self.take = take
+
+    def send(self, name: str, blocks: int) -> asyncio.Task[None]:
+        return asyncio.create_task(self._request(name, blocks))
+
+    async def _request(self, name: str, blocks: int) -> None:
+        await self.gate.wait(blocks)
+        self.order.append(name)
+        if self.take:
+            self.room.free -= blocks
+
+
 def test_requests_pass_in_arrival_order_and_a_small_one_does_not_jump_the_queue() -> None:
     async def run() -> list[str]:
-        room = _Room(0)
-        gate = DecodeGate(room, max_wait_s=60.0)
-        order: list[str] = []
-
-        async def request(name: str, blocks: int) -> None:
-            await gate.wait(blocks)
-            order.append(name)
-            room.free -= blocks  # the dispatcher takes the room before its next await
-
-        tasks = [asyncio.create_task(request(n, b)) for n, b in (("a", 10), ("b", 30), ("c", 5))]
+        c = _Clients(take=True)
+        tasks = [c.send(n, b) for n, b in (("a", 10), ("b", 30), ("c", 5))]
         await _settle()
-        assert order == []
-        assert gate.waiting == 3
-        room.free = 20  # enough for a and for c, not for b
-        gate.notify()
+        assert c.order == []
+        assert c.gate.waiting == 3
+        c.room.free = 20  # enough for a and for c, not for b
+        c.gate.notify()
         await _settle()
         # b waits for 30 blocks, and c behind it, although c would fit now...
-        assert order == ["a"]
-        assert gate.waiting == 2
+        assert c.order == ["a"]
+        assert c.gate.waiting == 2
         # ...and so does a request arriving now.
-        tasks.append(asyncio.create_task(request("d", 5)))
+        tasks.append(c.send("d", 5))
         await _settle()
-        assert order == ["a"]
-        assert gate.waiting == 3
-        room.free += 30  # 40 free: b, c and d
-        gate.notify()
+        assert c.order == ["a"]
+        assert c.gate.waiting == 3
+        c.room.free += 30  # 40 free: b, c and d
+        c.gate.notify()
         await asyncio.gather(*tasks)
-        assert gate.waiting == 0
-        return order
+        assert c.gate.waiting == 0
+        return c.order
 
     assert asyncio.run(run()) == ["a", "b", "c", "d"]
 
@@ -87,28 +99,21 @@ def test_a_request_that_fits_with_no_one_waiting_passes_at_once() -> None:
 
 def test_a_woken_request_that_finds_the_room_gone_waits_at_the_head() -> None:
     async def run() -> list[str]:
-        room = _Room(0)
-        gate = DecodeGate(room, max_wait_s=60.0)
-        order: list[str] = []
-
-        async def request(name: str, blocks: int) -> None:
-            await gate.wait(blocks)
-            order.append(name)
-
-        a = asyncio.create_task(request("a", 10))
+        c = _Clients(take=False)
+        a = c.send("a", 10)
         await _settle()
-        b = asyncio.create_task(request("b", 1))
+        b = c.send("b", 1)
         await _settle()
-        room.free = 10
-        gate.notify()
-        room.free = 0  # taken before a ran (another path of the router, say)
+        c.room.free = 10
+        c.gate.notify()
+        c.room.free = 0  # taken before a ran (another path of the router, say)
         await _settle()
-        assert order == []
-        assert gate.waiting == 2
-        room.free = 11
-        gate.notify()
+        assert c.order == []
+        assert c.gate.waiting == 2
+        c.room.free = 11
+        c.gate.notify()
         await asyncio.gather(a, b)
-        return order
+        return c.order
 
     assert asyncio.run(run()) == ["a", "b"]
 
