@@ -29,7 +29,8 @@ MatchTuple = tuple[dict[int, tuple[int, int]], int, int]
 
 
 def read_match(m: PrefixMatch) -> MatchTuple:
-    """(nodes, pool, cluster) of a match, after checking the numpy view agrees with `nodes`."""
+    """(nodes, pool, cluster) of a match, after checking the numpy view and `node(n)` agree
+    with `nodes`."""
     nodes = m.nodes
     node_ids, l1, l12 = m.node_ids, m.l1, m.l12
     for array in (node_ids, l1, l12):
@@ -40,6 +41,12 @@ def read_match(m: PrefixMatch) -> MatchTuple:
     assert ids == sorted(nodes), "node_ids must be the nodes of `nodes`, ascending"
     assert [(int(a), int(b)) for a, b in zip(l1, l12, strict=True)] == [nodes[n] for n in ids]
     assert len(m) == len(nodes)
+    # One node's figures without the map: every node that holds some, and some that hold none.
+    probe = {*ids, 0, 1, 2}
+    if ids and ids[-1] + 1 < 2**31 - 1:  # the largest node id is 2^31 - 2
+        probe.add(ids[-1] + 1)
+    for n in probe:
+        assert m.node(n) == nodes.get(n, (0, 0))
     for a, b in nodes.values():
         assert 0 <= a <= b
         assert b > 0

@@ -100,6 +100,10 @@ class PrefixMatch:
     def cluster(self) -> int:
         """Leading query blocks each held somewhere."""
 
+    def node(self, node: int) -> tuple[int, int]:
+        """(l1, l12) of one node, (0, 0) if it holds none of the query (`nodes.get(node,
+        (0, 0))` without building the map)."""
+
     @property
     def node_ids(self) -> npt.NDArray[np.int64]:
         """Nodes with l12 > 0, ascending."""

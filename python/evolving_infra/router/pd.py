@@ -313,7 +313,7 @@ class PdDispatcher:
             d = self.router.choose_decode(route, nodes, directory)
         except NoNodeError as e:
             raise NoEngineError(f"{e}; engines: {self._states()}") from None
-        l12 = match.nodes.get(p, (0, 0))[1]
+        l12 = match.node(p)[1]
         t = route.prompt_tokens
         uncached = max(t - min(l12 * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)

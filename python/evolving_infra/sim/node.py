@@ -149,7 +149,7 @@ class Node:
         L2 (capped to what is reachable), and the cached prefix this node can use. `match`:
         the directory's match of `hashes`, if the caller has it already."""
         m = self.directory.match(hashes) if match is None else match
-        l1, l12 = m.nodes.get(self.id, (0, 0))
+        l1, l12 = m.node(self.id)
         if not self.s.shared_pool:
             return l1, l12, l12, l12
         c = max(l12, m.cluster)
@@ -410,7 +410,7 @@ class Node:
         # whole prompt, and refuse as `_reserve_pinned` would (it changes nothing then).
         if total > kv.l1_capacity - kv.l1_held - kv.reserved + max(kv.l1_held - kv.pinned, len(h)):
             return False
-        h_d = self.directory.match(h).nodes.get(self.id, (0, 0))[0] if h else 0
+        h_d = self.directory.match(h).node(self.id)[0] if h else 0
         need = total - h_d
         if not self._reserve_pinned(h, h_d, need, now):
             return False

@@ -364,6 +364,12 @@ impl PrefixMatch {
         self.inner.cluster
     }
 
+    /// `(l1, l12)` of one node, `(0, 0)` if it holds none of the query: `nodes.get(node, (0, 0))`
+    /// without building the map (one binary search; the map costs a node per entry).
+    fn node(&self, node: &Bound<'_, PyAny>) -> PyResult<(u32, u32)> {
+        Ok(self.inner.node(convert::node(node)?))
+    }
+
     /// Each candidate's predicted TTFT into `out`; returns the index of the least.
     /// The router's hot path (`evolving_infra.timing.ttft` says what the figures mean).
     #[pyo3(signature = (prompt_tokens, block_size, coefficients, l2_seconds_per_block,

@@ -36,6 +36,18 @@ pub struct PrefixMatch {
     pub cluster: u32,
 }
 
+impl PrefixMatch {
+    /// `(l1, l12)` of `node`, `(0, 0)` for a node holding none of the query: one binary search,
+    /// where a map of every node costs a node per entry (a prefix 768 nodes hold).
+    #[must_use]
+    pub fn node(&self, node: NodeId) -> (u32, u32) {
+        match self.node_ids.binary_search(&node) {
+            Ok(i) => (self.l1[i], self.l12[i]),
+            Err(_) => (0, 0),
+        }
+    }
+}
+
 /// Sizes of the directory (`stats()` in Python).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {

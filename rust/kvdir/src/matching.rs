@@ -269,6 +269,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_nodes_figures_are_found_by_its_id() {
+        let mut d = Directory::new();
+        let chain: Vec<BlockHash> = (1..=6).collect();
+        d.store(3, Tier::L1, &chain[..4], None, 1.0).unwrap();
+        d.store(3, Tier::L2, &chain[4..], Some(4), 1.0).unwrap();
+        d.store(7, Tier::L2, &chain[..2], None, 1.0).unwrap();
+        let m = d.match_prefix(&chain);
+        assert_eq!(m.node(3), (4, 6));
+        assert_eq!(m.node(7), (0, 2));
+        for absent in [0, 4, 8, NodeId::MAX] {
+            assert_eq!(m.node(absent), (0, 0));
+        }
+    }
+
+    #[test]
     fn keep_only_reports_every_gap_with_its_index() {
         let all: Vec<u32> = (0..100).map(|n| n * 3).collect();
         let mut alive = Alive::new(all.clone());

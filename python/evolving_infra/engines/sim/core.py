@@ -299,7 +299,7 @@ class EngineCore:
         the leading run found fetched, in the shared pool (a miss on any pool failure)."""
         assert self.pool is not None
         sim = live.sim
-        start = self.directory.match(sim.hashes).nodes.get(self.settings.node_id, (0, 0))[1]
+        start = self.directory.match(sim.hashes).node(self.settings.node_id)[1]
         n = await self.pool.lookup(sim.hashes[start:])
         if self._by_sim.get(sim.id) is not live:
             return  # failed meanwhile (the engine is closing)

@@ -128,7 +128,7 @@ class SimEngine(EngineCore, EngineControlService):
         if dst.tier != "L1" or dst.node_id != me:
             raise UnsupportedError("the simulated engine only pulls KV into its own L1")
         hashes = list(request.hashes)
-        l1, l12 = self.directory.match(hashes).nodes.get(me, (0, 0))
+        l1, l12 = self.directory.match(hashes).node(me)
         if src.node_id == me and src.tier == "L2":
             available, bandwidth = l12, self.l2_bandwidth
         elif src.node_id == me:
@@ -145,7 +145,7 @@ class SimEngine(EngineCore, EngineControlService):
         seconds = self.settings.transfer_latency + moved * self.block_bytes / bandwidth
         await asyncio.sleep(self.env.real_seconds(seconds))
         now = self.env.now
-        l1 = self.directory.match(hashes).nodes.get(me, (0, 0))[0]  # it may have changed
+        l1 = self.directory.match(hashes).node(me)[0]  # it may have changed
         chain = hashes[l1:available]
         if chain:
             self.parents.register(hashes[:available])
@@ -162,7 +162,7 @@ class SimEngine(EngineCore, EngineControlService):
         if live is None or live.sim not in self.node.queue:
             raise InvalidRequestError(f"request {request.request_id!r} is not queued here")
         sim, now, me = live.sim, self.env.now, self.settings.node_id
-        l1, l12 = self.directory.match(list(request.hashes)).nodes.get(me, (0, 0))
+        l1, l12 = self.directory.match(list(request.hashes)).node(me)
         missing = tuple(request.hashes[l12:])
         if missing and not request.allow_partial:
             raise UnknownBlocksError(f"{len(missing)} blocks are in no tier here", missing)
