@@ -190,7 +190,7 @@ class Node:
         prefill queue. False if it is not held here (it was handed back, `take_queued`)."""
         if self.held.pop(req.id, None) is None:
             return False
-        self._queue(req, self.reach(req.hashes), now)
+        self._queue(req, None, now)
         return True
 
     def _count(self, req: SimRequest, c: int) -> int:
@@ -205,10 +205,12 @@ class Node:
         self.queued_tokens += u
         return u
 
-    def _queue(self, req: SimRequest, reach: tuple[int, int, int, int], now: float) -> None:
+    def _queue(self, req: SimRequest, reach: tuple[int, int, int, int] | None, now: float) -> None:
+        """Appends `req` to the prefill queue; `reach` as of now, if the caller has it (only a
+        prefetch reads it: without one, no match is made)."""
         self.queue.append(req)
         if self.s.prefetch:
-            self._prefetch(req, *reach, now)
+            self._prefetch(req, *(reach or self.reach(req.hashes)), now)
         if not self.busy:
             self._next_prefill(now)
 
