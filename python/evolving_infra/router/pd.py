@@ -317,8 +317,14 @@ class PdDispatcher:
         t = route.prompt_tokens
         uncached = max(t - min(l12 * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)
-        blocks = blocks_for(t + max_out, self.page_size)
+        blocks = self._decode_blocks(req)
         return _Placement(self.engines[p], self.engines[d], seconds, uncached, blocks)
+
+    def _decode_blocks(self, req: PreparedRequest) -> int:
+        """KV blocks the router counts for `req` on its decode node: prompt and `max_tokens`
+        (the gate asks for the same room the placement then takes)."""
+        max_out = req.sampling.max_tokens or self.default_max_tokens
+        return blocks_for(len(req.token_ids) + max_out, self.page_size)
 
     def _states(self) -> str:
         return (
@@ -361,9 +367,8 @@ class PdDispatcher:
         held_s = 0.0
         if self.gate is not None:
             # The room is taken by `_run` (`add_decode`) with no `await` in between.
-            max_out = request.sampling.max_tokens or self.default_max_tokens
             start = time.monotonic()
-            await self.gate.wait(blocks_for(len(request.token_ids) + max_out, self.page_size))
+            await self.gate.wait(self._decode_blocks(request))
             held_s = time.monotonic() - start
             if self.on_admitted is not None:
                 self.on_admitted(held_s)
