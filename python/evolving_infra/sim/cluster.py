@@ -299,7 +299,8 @@ class Cluster:
         if not self._accepting("decode"):
             self.pending_decode.append(req)
             return
-        rr = RouteRequest(req.hashes, req.prompt_tokens, 0, req.key)
+        # The output the node reserves, as the live router passes `max_tokens`.
+        rr = RouteRequest(req.hashes, req.prompt_tokens, req.output_tokens, req.key)
         if self.index is not None:
             d = self.index.choose_decode(rr, self.directory)
         else:

@@ -109,6 +109,7 @@ class Node:
         self.batch_context = 0  # the batch's KV tokens: sum of its requests' `context`
         self.joining: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()  # not admitted yet (KV does not fit)
+        self.waiting_blocks = 0  # the waiting requests' KV (prompt and output) in blocks
         self.inbound = 0  # admitted, KV in transfer
         self.in_span = False
         self._span = (0.0, 0, 0.0, 0.0)  # start, iterations, seconds per iteration, context
@@ -130,7 +131,11 @@ class Node:
             queued_prefill_s=self.queued_s if self.queued_s > 0 else 0.0,
             queued_prefill_tokens=self.queued_tokens,
             decode_requests=len(self.batch) + len(self.joining) + self.inbound + len(self.waiting),
-            kv_used_blocks=min(kv.reserved + kv.pinned, kv.l1_capacity),
+            # What a router counts once it has sent requests here (the live router counts a
+            # request's KV from dispatch, `router.pd.LoadTracker`): the waiting requests' KV is
+            # taken too. Without it a node whose head waits for most of its KV (SGLang's
+            # prealloc queue is FIFO) stays the most free and every request queues behind it.
+            kv_used_blocks=min(kv.reserved + kv.pinned + self.waiting_blocks, kv.l1_capacity),
             kv_capacity_blocks=kv.l1_capacity,
         )
 
@@ -384,6 +389,7 @@ class Node:
         req.decode_node = self.id
         if self.waiting or not self._admit_decode(req, now):
             self.waiting.append(req)
+            self.waiting_blocks += self._blocks(req)
             return False
         return True
 
@@ -403,9 +409,13 @@ class Node:
         req.pin_p = pins
         return False
 
+    def _blocks(self, req: SimRequest) -> int:
+        """`req`'s whole KV (prompt and output) in blocks."""
+        return blocks_for(req.prompt_tokens + req.output_tokens, self.s.block_size)
+
     def _admit_decode(self, req: SimRequest, now: float) -> bool:
         h, kv = req.hashes, self.kv
-        total = blocks_for(req.prompt_tokens + req.output_tokens, self.s.block_size)
+        total = self._blocks(req)
         # NOTE: whatever prefix h_d <= len(h) this node holds, `_reserve_pinned(h, h_d, total -
         # h_d)` fits only if total <= free + max(l1_held - pinned, len(h)): when even that
         # fails (a saturated node retried at every finish), skip the match, which walks the
@@ -422,7 +432,9 @@ class Node:
 
     def admit_waiting(self, now: float) -> None:
         while self.waiting and self.state != "down" and self._admit_decode(self.waiting[0], now):
-            self.env.decode_reserved(self.waiting.popleft())
+            req = self.waiting.popleft()
+            self.waiting_blocks -= self._blocks(req)
+            self.env.decode_reserved(req)
 
     def take_waiting_from(self, prefill_node: int, now: float) -> list[SimRequest]:
         """The waiting requests whose KV is on `prefill_node` (a prefill node switching to
@@ -430,12 +442,14 @@ class Node:
         out = [r for r in self.waiting if r.prefill_node == prefill_node]
         if out:
             self.waiting = deque(r for r in self.waiting if r.prefill_node != prefill_node)
+            self.waiting_blocks -= sum(self._blocks(r) for r in out)
             self.admit_waiting(now)
         return out
 
     def take_waiting(self) -> list[SimRequest]:
         out = list(self.waiting)
         self.waiting.clear()
+        self.waiting_blocks = 0
         return out
 
     def take_queued(self, now: float) -> list[SimRequest]:
