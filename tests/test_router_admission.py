@@ -1,16 +1,19 @@
-"""The router's decode-KV gate (`router.admission`): first come, first served; a request's prefill
-is sent only once a decode engine has room for it by the router's count; overload is a 503.
+"""The router's decode-KV gate (`router.admission`): first come, first served per decode engine;
+a request's prefill is sent only once its decode engine has room for it by the router's count;
+overload is a 503.
 
-The gate alone runs on a room function the test controls; the dispatcher runs its real placement
-(the Rust directory, the `evolving` policy) with the engines' two legs replaced by coroutines the
-test finishes, so "B's prefill was not sent while A held the decode KV" is checked without timing.
+The gate alone runs on engines whose space the test controls (`_Engines`, with the evolving
+policy's decode choice: the most free, the gate's commitments counted); the dispatcher runs its
+real placement (the Rust directory, the `evolving` policy) with the engines' two legs replaced by
+coroutines the test finishes, so "B's prefill was not sent while A held the decode KV" is checked
+without timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
@@ -26,14 +29,22 @@ from evolving_infra.timing.model import IterationModel
 from router_helpers import PAGE
 
 
-class _Room:
-    """Free blocks the test sets; `gate.notify()` after each change, as the dispatcher does."""
+class _Engines:
+    """Decode engines' capacity and used blocks the test sets (`gate.notify()` after each
+    change, as the dispatcher does); `choose` picks the most free engine counting the gate's
+    commitments, ties to the lowest id (`routing.common.most_free_decode`'s order)."""
 
-    def __init__(self, free: int) -> None:
-        self.free = free
+    def __init__(self, **used: int) -> None:
+        self.cap = 100
+        self.used = {int(k.removeprefix("e")): v for k, v in used.items()}
 
-    def __call__(self, blocks: int) -> bool:
-        return blocks <= self.free
+    def space(self) -> dict[int, tuple[int, int]]:
+        return {e: (self.cap, u) for e, u in self.used.items()}
+
+    def choose(self, extra: Mapping[int, int]) -> int:
+        if not self.used:
+            return -1
+        return min(self.used, key=lambda e: (self.used[e] + extra.get(e, 0), e))
 
 
 async def _settle() -> None:
@@ -42,94 +53,158 @@ async def _settle() -> None:
 
 
 class _Clients:
-    """Requests through one gate, in the order they pass it; with `take`, each takes its room
-    before its next await, as the dispatcher does."""
+    """Requests through one gate, in the order they pass it, with the engine each got; each
+    takes its room before its next await, as the dispatcher does."""
 
-    def __init__(self, *, take: bool) -> None:
-        self.room = _Room(0)
-        self.gate = DecodeGate(self.room, max_wait_s=60.0)
-        self.order: list[str] = []
-        self.take = take
+    def __init__(self, engines: _Engines, max_wait_s: float = 60.0) -> None:
+        self.engines = engines
+        self.gate = DecodeGate(engines.space, max_wait_s=max_wait_s)
+        self.order: list[tuple[str, int | None]] = []
 
     def send(self, name: str, blocks: int) -> asyncio.Task[None]:
         return asyncio.create_task(self._request(name, blocks))
 
     async def _request(self, name: str, blocks: int) -> None:
-        await self.gate.wait(blocks)
-        self.order.append(name)
-        if self.take:
-            self.room.free -= blocks
+        e = await self.gate.wait(blocks, self.engines.choose)
+        self.order.append((name, e))
+        if e is not None:
+            self.engines.used[e] += blocks
+
+    def free(self, engine: int, blocks: int) -> None:
+        self.engines.used[engine] -= blocks
+        self.gate.notify()
 
 
-def test_requests_pass_in_arrival_order_and_a_small_one_does_not_jump_the_queue() -> None:
-    async def run() -> list[str]:
-        c = _Clients(take=True)
+def test_one_engine_serves_in_arrival_order_and_a_small_request_does_not_jump_its_queue() -> None:
+    async def run() -> list[tuple[str, int | None]]:
+        c = _Clients(_Engines(e0=100))
         tasks = [c.send(n, b) for n, b in (("a", 10), ("b", 30), ("c", 5))]
         await _settle()
         assert c.order == []
         assert c.gate.waiting == 3
-        c.room.free = 20  # enough for a and for c, not for b
-        c.gate.notify()
+        assert c.gate.extra() == {0: 45}
+        c.free(0, 20)  # enough for a and for c, not for b
         await _settle()
         # b waits for 30 blocks, and c behind it, although c would fit now...
-        assert c.order == ["a"]
+        assert c.order == [("a", 0)]
         assert c.gate.waiting == 2
         # ...and so does a request arriving now.
         tasks.append(c.send("d", 5))
         await _settle()
-        assert c.order == ["a"]
+        assert c.order == [("a", 0)]
         assert c.gate.waiting == 3
-        c.room.free += 30  # 40 free: b, c and d
-        c.gate.notify()
+        c.free(0, 30)  # 40 free: b, c and d
         await asyncio.gather(*tasks)
         assert c.gate.waiting == 0
+        assert c.gate.extra() == {}
         return c.order
 
-    assert asyncio.run(run()) == ["a", "b", "c", "d"]
+    assert asyncio.run(run()) == [("a", 0), ("b", 0), ("c", 0), ("d", 0)]
+
+
+def test_a_request_that_fits_on_another_engine_passes_and_the_waiting_one_is_not_starved() -> None:
+    """A large request waits for room on engine 0 (the most free); a small one that fits on
+    engine 1 goes there at once rather than waiting behind it (one queue for the cluster held
+    every dispatch until an engine had drained). Engine 0 takes no one else while the large one
+    waits: its queue counts as used, so the next request waits on engine 1."""
+
+    async def run() -> list[tuple[str, int | None]]:
+        c = _Clients(_Engines(e0=60, e1=70))
+        big = c.send("big", 90)
+        await _settle()
+        assert c.gate.extra() == {0: 90}
+        small = c.send("small", 20)
+        await small
+        assert c.order == [("small", 1)]
+        later = c.send("later", 20)  # engine 1 has 10 free, engine 0 "-50"
+        await _settle()
+        assert c.gate.waiting == 2
+        assert c.gate.extra() == {0: 90, 1: 20}
+        c.free(0, 50)  # engine 0: 10 used, room for big only
+        await big
+        c.free(1, 20)
+        await later
+        return c.order
+
+    assert asyncio.run(run()) == [("small", 1), ("big", 0), ("later", 1)]
 
 
 def test_a_request_that_fits_with_no_one_waiting_passes_at_once() -> None:
-    async def run() -> int:
-        gate = DecodeGate(_Room(8), max_wait_s=60.0)
-        await gate.wait(8)
-        return gate.waiting
+    async def run() -> tuple[int | None, int]:
+        engines = _Engines(e0=92)
+        gate = DecodeGate(engines.space, max_wait_s=60.0)
+        e = await gate.wait(8, engines.choose)
+        return e, gate.waiting
 
-    assert asyncio.run(run()) == 0
+    assert asyncio.run(run()) == (0, 0)
 
 
-def test_a_woken_request_that_finds_the_room_gone_waits_at_the_head() -> None:
-    async def run() -> list[str]:
-        c = _Clients(take=False)
-        a = c.send("a", 10)
+def test_an_admitted_request_holds_its_room_until_it_resumes() -> None:
+    """Between its admission and its resuming (when it takes the room), the room is claimed:
+    the next request in the queue must not be admitted into it too."""
+
+    async def run() -> None:
+        c = _Clients(_Engines(e0=100))
+        a, b = c.send("a", 10), c.send("b", 10)
         await _settle()
-        b = c.send("b", 1)
-        await _settle()
-        c.room.free = 10
+        c.engines.used[0] = 90
         c.gate.notify()
-        c.room.free = 0  # taken before a ran (another path of the router, say)
+        c.gate.notify()  # twice before a has resumed
+        assert c.gate.waiting == 1
+        assert c.gate.extra() == {0: 20}  # a's claim, b waiting
+        await a
         await _settle()
-        assert c.order == []
-        assert c.gate.waiting == 2
-        c.room.free = 11
-        c.gate.notify()
-        await asyncio.gather(a, b)
+        assert c.gate.extra() == {0: 10}  # a took the last 10 blocks: b waits
+        assert not b.done()
+        c.free(0, 10)
+        await b
+        assert c.order == [("a", 0), ("b", 0)]
+
+    asyncio.run(run())
+
+
+def test_an_engine_that_leaves_hands_its_queue_to_the_others_in_arrival_order() -> None:
+    async def run() -> list[tuple[str, int | None]]:
+        c = _Clients(_Engines(e0=100, e1=100))
+        # a and c wait on engine 0, b on engine 1 (each goes to the least committed).
+        tasks = [c.send(n, 10) for n in "abc"]
+        await _settle()
+        assert c.gate.extra() == {0: 20, 1: 10}
+        # Engine 1 changes phase: b moves to engine 0, between a and c.
+        del c.engines.used[1]
+        for _ in "abc":
+            c.free(0, 10)  # room for one more
+            await _settle()
+        await asyncio.gather(*tasks)
         return c.order
 
-    assert asyncio.run(run()) == ["a", "b"]
+    assert asyncio.run(run()) == [("a", 0), ("b", 0), ("c", 0)]
+
+
+def test_with_no_decode_engine_up_the_waiting_requests_go_on_to_the_placement() -> None:
+    async def run() -> list[tuple[str, int | None]]:
+        c = _Clients(_Engines(e0=100))
+        tasks = [c.send(n, 5) for n in "ab"]
+        await _settle()
+        c.engines.used.clear()
+        c.gate.notify()
+        await asyncio.gather(*tasks)
+        return c.order
+
+    assert asyncio.run(run()) == [("a", None), ("b", None)]
 
 
 def test_waiting_too_long_is_overload_and_leaves_the_queue_to_the_next() -> None:
     async def run() -> None:
-        room = _Room(0)
-        gate = DecodeGate(room, max_wait_s=0.05)
+        c = _Clients(_Engines(e0=100), max_wait_s=0.05)
         with pytest.raises(NoEngineError, match="no decode engine had room for 7 KV blocks"):
-            await gate.wait(7)
-        assert gate.waiting == 0
-        gate.max_wait_s = 60.0
-        late = asyncio.create_task(gate.wait(1))
+            await c.gate.wait(7, c.engines.choose)
+        assert c.gate.waiting == 0
+        assert c.gate.extra() == {}
+        c.gate.max_wait_s = 60.0
+        late = c.send("late", 1)
         await _settle()
-        room.free = 1
-        gate.notify()
+        c.free(0, 1)
         await late
 
     asyncio.run(run())
@@ -137,19 +212,18 @@ def test_waiting_too_long_is_overload_and_leaves_the_queue_to_the_next() -> None
 
 def test_a_client_gone_while_waiting_leaves_the_queue_to_the_next() -> None:
     async def run() -> None:
-        room = _Room(0)
-        gate = DecodeGate(room, max_wait_s=60.0)
-        first = asyncio.create_task(gate.wait(50))
+        c = _Clients(_Engines(e0=100))
+        first = c.send("first", 50)
         await _settle()
-        second = asyncio.create_task(gate.wait(5))
+        second = c.send("second", 5)
         await _settle()
         first.cancel()
         await _settle()
-        assert gate.waiting == 1
-        room.free = 5
-        gate.notify()
+        assert c.gate.waiting == 1
+        assert c.gate.extra() == {0: 5}
+        c.free(0, 5)
         await second
-        assert gate.waiting == 0
+        assert c.gate.waiting == 0
 
     asyncio.run(run())
 
@@ -159,8 +233,7 @@ def test_a_client_gone_while_waiting_leaves_the_queue_to_the_next() -> None:
 CAPACITY = 96  # the decode engine's KV, in blocks
 
 
-def _dispatcher(admission: bool) -> PdDispatcher:
-    phases: tuple[Phase, ...] = ("prefill", "decode")
+def _dispatcher(admission: bool, phases: tuple[Phase, ...] = ("prefill", "decode")) -> PdDispatcher:
     engines = [
         EngineHandle(n, f"http://127.0.0.1:{9000 + n}", phase, "127.0.0.1", 9000 + n, CAPACITY)
         for n, phase in enumerate(phases)
@@ -232,6 +305,93 @@ def test_a_prefill_is_sent_only_once_the_decode_engine_has_room(admission: bool)
         assert len(held) == (2 if admission else 0)
 
     asyncio.run(run())
+
+
+def test_the_decode_engine_is_the_one_whose_room_the_gate_gave() -> None:
+    """Two decode engines of 96 blocks: A and B (64 blocks each) take one each; C (64) waits on
+    one of them; D (16 blocks) fits where C waits for room and passes C there (C's
+    queue counts as used, so D goes to the other engine, which has 32 free); C goes, to the
+    engine it waited for, once that engine's request ends."""
+    d = _dispatcher(True, ("prefill", "decode", "decode"))
+    engine_of: dict[str, int] = {}
+    finish = {n: asyncio.Event() for n in "ABCD"}
+
+    async def prefill(engine: Any, body: bytes) -> None:
+        pass
+
+    async def decode(engine: Any, body: bytes) -> AsyncIterator[Any]:
+        name = body.split(b'"rid": "')[1].split(b'"')[0].decode()
+        engine_of[name] = engine.node
+        yield TextPiece("x", 1)
+        await finish[name].wait()
+        yield Finished("stop", 1, 0)
+
+    d._prefill = prefill  # type: ignore[method-assign]
+    d._decode = decode  # type: ignore[method-assign,assignment]
+
+    async def run() -> None:
+        async def consume(name: str, tokens: int) -> None:
+            async for _ in d.generate(_request(name, tokens)):
+                pass
+
+        big, small = 63 * PAGE, 15 * PAGE
+        tasks = {n: asyncio.create_task(consume(n, t)) for n, t in (("A", big), ("B", big))}
+        await _settle()
+        assert sorted(engine_of.values()) == [1, 2]
+        tasks["C"] = asyncio.create_task(consume("C", big))
+        await _settle()
+        assert d.gate is not None and d.gate.waiting == 1
+        (c_engine,) = d.gate.extra()
+        tasks["D"] = asyncio.create_task(consume("D", small))
+        await _settle()
+        assert "C" not in engine_of
+        assert engine_of["D"] == 3 - c_engine  # the other engine, at once
+        # The engine C does not wait for frees first: C still waits.
+        other = next(n for n in "AB" if engine_of[n] != c_engine)
+        finish[other].set()
+        await tasks[other]
+        await _settle()
+        assert "C" not in engine_of
+        mine = next(n for n in "AB" if engine_of[n] == c_engine)
+        finish[mine].set()
+        await tasks[mine]
+        await _settle()
+        assert engine_of["C"] == c_engine
+        for n in "CD":
+            finish[n].set()
+        await asyncio.gather(*tasks.values())
+        assert d.loads.used_blocks(1) == d.loads.used_blocks(2) == 0
+        assert d.gate.extra() == {}
+
+    asyncio.run(run())
+
+
+def test_the_decode_leg_goes_to_the_engine_the_gate_gave_not_the_policys_pick() -> None:
+    d = _dispatcher(True, ("prefill", "decode", "decode"))
+    engine_of: list[int] = []
+
+    async def prefill(engine: Any, body: bytes) -> None:
+        pass
+
+    async def decode(engine: Any, body: bytes) -> AsyncIterator[Any]:
+        engine_of.append(engine.node)
+        yield Finished("stop", 0, 0)
+
+    async def gate_gives_engine_2(blocks: int, choose: Any) -> int:
+        assert choose({}) == 1  # the policy's pick: both empty, the lowest id
+        return 2
+
+    d._prefill = prefill  # type: ignore[method-assign]
+    d._decode = decode  # type: ignore[method-assign,assignment]
+    assert d.gate is not None
+    d.gate.wait = gate_gives_engine_2  # type: ignore[method-assign]
+
+    async def run() -> None:
+        async for _ in d.generate(_request("r", 4 * PAGE)):
+            pass
+
+    asyncio.run(run())
+    assert engine_of == [2]
 
 
 def test_a_request_no_decode_engine_could_hold_is_not_held() -> None:

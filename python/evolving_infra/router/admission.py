@@ -1,78 +1,191 @@
-"""The router's decode-KV gate: a request is dispatched only once a decode engine has room for it.
+"""The router's decode-KV gate: a request is dispatched only once its decode engine has room for it.
 
 SGLang's gateway sends a request to its prefill and decode engines at once. Under SGLang's default
 `early` decode allocation the decode engine reserves the KV first (`DecodePreallocQueue`) and the
 prefill engine holds the request in its bootstrap queue meanwhile; when the decode side is full,
 requests pile up on prefill engines that were chosen when they arrived, on loads that are stale by
 the time the KV is reserved, and those waiting requests count in every prefill engine's queue.
-The gate holds them in the router instead, first come first served, until the router's own count
-of a decode engine's KV (`LoadTracker`: the prompt and `max_tokens` of every request it sent
-there and has not seen end) leaves room for the next one; then both engines are chosen, on
-current loads. The simulator runs the same rule (`sim.policies.PolicySpec.admission`; scenario
-cc-high in docs/scenarios.md for what it changes).
+The gate holds them in the router instead: the decode engine is chosen when the request arrives
+(the routing policy's `choose_decode`, with the requests already waiting counted as taking their
+KV), the request waits in that engine's queue, first come first served, until the router's own
+count of the engine's KV (`LoadTracker`: the prompt and `max_tokens` of every request it sent
+there and has not seen end) leaves room for it, and its prefill engine is chosen then, on current
+loads.
+
+One queue per decode engine, as SGLang's decode engine pre-allocates in order
+(`pop_preallocated` stops at the first request that does not fit): a large request waiting for
+room on one engine holds up the requests behind it there, and the engine takes no new ones while
+it waits (its queue counts as used), so it is not starved; but a request that fits on another
+engine passes. With one queue for the whole cluster, a request needing most of an engine stopped
+every dispatch until some engine had drained. The simulator runs the same rule
+(`sim.policies.PolicySpec.admission`: the decode node reserves first, and a node's waiting
+requests count in its load); docs/scenarios.md says what it changes.
 
 The gate never waits when waiting cannot help: with no decode engine up (the placement then says
-so), or for a request larger than every decode engine (the engine answers for it).
+so), or for a request larger than every decode engine (the engine answers for it). A decode
+engine that goes down or changes phase hands its queue to the others, in arrival order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from evolving_infra.router.dispatcher import NoEngineError
 
-# `room(blocks)`: whether a decode engine has room for `blocks` now (or waiting cannot help).
-Room = Callable[[int], bool]
+# `space()`: the up decode engines, node -> (KV capacity, blocks used by the router's count).
+Space = Callable[[], Mapping[int, tuple[int, int]]]
+# `choose(extra)`: the decode engine the routing policy picks for one request when `extra[node]`
+# more blocks count as used on a node (the gate's commitments); a node that is not an up decode
+# engine (e.g. -1) if it picks none.
+Choose = Callable[[Mapping[int, int]], int]
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    seq: int  # arrival order, kept when the waiter moves to another engine's queue
+    blocks: int
+    choose: Choose
+    engine: int
+    future: asyncio.Future[int | None]
 
 
 class DecodeGate:
-    """First come, first served admission on decode KV (see the module docstring)."""
+    """Admission on decode KV, first come first served per decode engine (module docstring)."""
 
-    def __init__(self, room: Room, *, max_wait_s: float) -> None:
-        self._room = room
+    def __init__(self, space: Space, *, max_wait_s: float) -> None:
+        self._space = space
         self.max_wait_s = max_wait_s
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._queues: dict[int, deque[_Waiter]] = {}
+        self._queued: dict[int, int] = {}  # blocks waiting per engine
+        # Blocks of admitted requests that have not resumed yet to take their room: counted as
+        # used, or an arrival in between would find the room free.
+        self._claimed: dict[int, int] = {}
+        self._seq = itertools.count()
 
     @property
     def waiting(self) -> int:
         """Requests held now (a Prometheus gauge reads it)."""
-        return len(self._waiters)
+        return sum(len(q) for q in self._queues.values())
 
-    async def wait(self, blocks: int) -> None:
-        """Returns once a decode engine has room for `blocks` and every request that came
-        before has gone; the caller must take the room before its next `await` (the check and
-        the taking are then one step of the event loop). Raises `NoEngineError` after
+    def extra(self) -> dict[int, int]:
+        """Blocks the gate has committed per engine beyond the router's count: the requests
+        waiting there and those admitted that have not taken their room yet. Placement counts
+        them as used."""
+        out = {e: b for e, b in self._claimed.items() if b}
+        for e, b in self._queued.items():
+            if b:
+                out[e] = out.get(e, 0) + b
+        return out
+
+    async def wait(self, blocks: int, choose: Choose) -> int | None:
+        """Waits until the request's decode engine has room for `blocks` and the requests that
+        came before it there have gone; returns that engine, whose room the caller must take
+        before its next `await`. None: the gate does not apply (no decode engine up, or none
+        could ever hold `blocks`), the placement decides. Raises `NoEngineError` after
         `max_wait_s` (the request is overload, 503)."""
-        if not self._waiters and self._room(blocks):
-            return
+        space = self._space()
+        if not space or blocks > max(cap for cap, _ in space.values()):
+            return None
+        engine = choose(self.extra())
+        if engine not in space:
+            return None
+        if not self._queues.get(engine) and self._free(engine, space) >= blocks:
+            return engine
         loop = asyncio.get_running_loop()
-        entry = (blocks, loop.create_future())
-        self._waiters.append(entry)
+        w = _Waiter(next(self._seq), blocks, choose, engine, loop.create_future())
+        self._enqueue(w)
         try:
             async with asyncio.timeout(self.max_wait_s):
-                while True:
-                    await entry[1]
-                    if self._room(blocks):
-                        return
-                    # Woken, but the room went to no one yet: wait at the head again.
-                    entry = (blocks, loop.create_future())
-                    self._waiters[0] = entry
+                return await w.future
         except TimeoutError:
             raise NoEngineError(
                 f"no decode engine had room for {blocks} KV blocks within {self.max_wait_s:g} s"
             ) from None
         finally:
-            # At the head, unless it gave up (timeout, client gone) behind others.
-            self._waiters.remove(entry)
-            # The next request may fit too: look once this one has taken its room.
+            if w.future.done() and not w.future.cancelled():
+                admitted = w.future.result()
+                if admitted is not None:
+                    # The caller takes the room now (or, gone, leaves it to the next).
+                    self._claimed[admitted] -= blocks
+            else:
+                self._dequeue(w)  # timed out or the client went away while queued
+            # The next request may fit now (room left over, or this one's given back).
             loop.call_soon(self.notify)
 
     def notify(self) -> None:
-        """Room may have freed (a request ended, an engine came up or changed phase): wakes the
-        first request held if it fits."""
-        if self._waiters:
-            blocks, fut = self._waiters[0]
-            if not fut.done() and self._room(blocks):
-                fut.set_result(None)
+        """Room may have freed (a request ended, an engine came up, went down or changed phase):
+        admits each engine's first requests that fit, after moving the queues of engines that
+        are no longer up decode engines to the others."""
+        space = self._space()
+        if not space:
+            # No decode engine up: waiting cannot help, the placement answers (503).
+            for q in self._queues.values():
+                for w in q:
+                    self._admit(w, None)
+            self._queues.clear()
+            self._queued.clear()
+            return
+        biggest = max(cap for cap, _ in space.values())
+        gone = [e for e in self._queues if e not in space]
+        if gone:
+            moved = sorted((w for e in gone for w in self._queues.pop(e)), key=lambda w: w.seq)
+            for e in gone:
+                self._queued.pop(e, None)
+            for w in moved:
+                if w.future.done():
+                    continue
+                w.engine = w.choose(self.extra())
+                if w.engine in space:
+                    self._enqueue(w)
+                else:
+                    self._admit(w, None)
+        for e in list(self._queues):
+            q = self._queues[e]
+            while q:
+                w = q[0]
+                if not w.future.done():
+                    if w.blocks > biggest:
+                        self._admit(w, None)  # no engine could ever hold it: let it go on
+                    elif self._free(e, space) >= w.blocks:
+                        self._admit(w, e)
+                    else:
+                        break
+                q.popleft()
+                self._queued[e] -= w.blocks
+            if not q:
+                del self._queues[e]
+                self._queued.pop(e, None)
+
+    def _free(self, engine: int, space: Mapping[int, tuple[int, int]]) -> int:
+        cap, used = space[engine]
+        return cap - used - self._claimed.get(engine, 0)
+
+    def _admit(self, w: _Waiter, engine: int | None) -> None:
+        if w.future.done():
+            return
+        if engine is not None:
+            self._claimed[engine] = self._claimed.get(engine, 0) + w.blocks
+        w.future.set_result(engine)
+
+    def _enqueue(self, w: _Waiter) -> None:
+        q = self._queues.setdefault(w.engine, deque())
+        # In arrival order: at the back, unless it moved here from an engine that went away.
+        i = len(q)
+        while i > 0 and q[i - 1].seq > w.seq:
+            i -= 1
+        q.insert(i, w)
+        self._queued[w.engine] = self._queued.get(w.engine, 0) + w.blocks
+
+    def _dequeue(self, w: _Waiter) -> None:
+        q = self._queues.get(w.engine)
+        if q is None or w not in q:
+            return  # already taken out (admitted, or its engine's queue was handed on)
+        q.remove(w)
+        self._queued[w.engine] -= w.blocks
+        if not q:
+            del self._queues[w.engine]
+            self._queued.pop(w.engine, None)

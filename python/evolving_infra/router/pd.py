@@ -27,7 +27,7 @@ import functools
 import json
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -150,10 +150,15 @@ class LoadTracker:
         load = self.loads.get(node)
         return load.kv_used_blocks if load is not None else 0
 
-    def view(self, engines: Sequence[EngineHandle]) -> list[NodeLoad]:
+    def view(
+        self, engines: Sequence[EngineHandle], extra: Mapping[int, int] | None = None
+    ) -> list[NodeLoad]:
+        """The policies' view of `engines`; `extra[node]` more KV blocks count as used (the
+        decode-KV gate's commitments, `DecodeGate.extra`)."""
         out = []
         for e in engines:
             load = self._get(e.node)
+            used = load.kv_used_blocks + (extra.get(e.node, 0) if extra else 0)
             out.append(
                 NodeLoad(
                     node=e.node,
@@ -162,7 +167,7 @@ class LoadTracker:
                     queued_prefill_s=load.queued_prefill_s,
                     queued_prefill_tokens=load.queued_prefill_tokens,
                     decode_requests=load.decode_requests,
-                    kv_used_blocks=load.kv_used_blocks,
+                    kv_used_blocks=used,
                     kv_capacity_blocks=e.kv_capacity_blocks,
                 )
             )
@@ -230,7 +235,7 @@ class PdDispatcher:
         self._aborted: dict[asyncio.Task[Any], tuple[int, str]] = {}
         # Requests wait here until a decode engine has room for their KV (`router.admission`).
         self.gate = (
-            DecodeGate(self._decode_room, max_wait_s=request_timeout_s) if admission else None
+            DecodeGate(self._decode_space, max_wait_s=request_timeout_s) if admission else None
         )
 
     # -- engine states (the daemon's discovery and health loops call these) ---------------------
@@ -268,17 +273,33 @@ class PdDispatcher:
         if self.gate is not None:
             self.gate.notify()
 
-    def _decode_room(self, blocks: int) -> bool:
-        """Whether an up decode engine has room for `blocks` by the router's count, or waiting
-        cannot help: none is up (the placement says so), or none could ever hold them."""
-        caps = [
-            (e.kv_capacity_blocks, self.loads.used_blocks(e.node))
+    def _decode_space(self) -> dict[int, tuple[int, int]]:
+        """The up decode engines' KV capacity and blocks in use by the router's count."""
+        return {
+            e.node: (e.kv_capacity_blocks, self.loads.used_blocks(e.node))
             for e in self.engines.values()
             if e.phase == "decode" and e.state == "up"
-        ]
-        if not caps or blocks > max(cap for cap, _ in caps):
-            return True
-        return any(cap - used >= blocks for cap, used in caps)
+        }
+
+    def _route(self, req: PreparedRequest) -> RouteRequest:
+        max_out = req.sampling.max_tokens or self.default_max_tokens
+        return RouteRequest(
+            hashes=list(req.block_hashes),
+            prompt_tokens=len(req.token_ids),
+            expected_output_tokens=max_out,
+            branch=str(req.branch),
+        )
+
+    def _choose_decode(self, req: PreparedRequest, extra: Mapping[int, int]) -> int:
+        """The decode engine the policy picks for `req` with the gate's commitments counted
+        (the gate queues the request there); -1 if none is up."""
+        engines = [e for e in self.engines.values() if e.phase == "decode" and e.state == "up"]
+        try:
+            return self.router.choose_decode(
+                self._route(req), self.loads.view(engines, extra), self.directory
+            )
+        except NoNodeError:
+            return -1
 
     def health(self) -> DispatcherHealth:
         up = [e for e in self.engines.values() if e.state == "up"]
@@ -294,23 +315,25 @@ class PdDispatcher:
 
     # -- dispatch -----------------------------------------------------------------------------
 
-    def _place(self, req: PreparedRequest, excluded: set[int]) -> _Placement:
+    def _place(
+        self, req: PreparedRequest, excluded: set[int], decode: int | None = None
+    ) -> _Placement:
+        """The request's engines: prefill by the policy on current loads; decode `decode` (the
+        engine whose room the gate gave it) while it is an up decode engine, else the policy's."""
         engines = [e for e in self.engines.values() if e.node not in excluded]
-        nodes = self.loads.view(engines)
-        max_out = req.sampling.max_tokens or self.default_max_tokens
-        route = RouteRequest(
-            hashes=list(req.block_hashes),
-            prompt_tokens=len(req.token_ids),
-            expected_output_tokens=max_out,
-            branch=str(req.branch),
-        )
+        nodes = self.loads.view(engines, self.gate.extra() if self.gate is not None else None)
+        route = self._route(req)
         # One match per request: the policy reads the same match as the placement below (it
         # matched once more before, and the ingestion threads may change the directory between).
         match = self.directory.match(route.hashes)
         directory = cast(KvDirectory, _Matched(self.directory, route.hashes, match))
         try:
             p = self.router.choose_prefill(route, nodes, directory)
-            d = self.router.choose_decode(route, nodes, directory)
+            given = self.engines.get(decode) if decode is not None else None
+            if given is not None and given.phase == "decode" and given.state == "up":
+                d = given.node
+            else:
+                d = self.router.choose_decode(route, nodes, directory)
         except NoNodeError as e:
             raise NoEngineError(f"{e}; engines: {self._states()}") from None
         l12 = match.node(p)[1]
@@ -365,16 +388,19 @@ class PdDispatcher:
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         held_s = 0.0
+        decode: int | None = None
         if self.gate is not None:
             # The room is taken by `_run` (`add_decode`) with no `await` in between.
             start = time.monotonic()
-            await self.gate.wait(self._decode_blocks(request))
+            decode = await self.gate.wait(
+                self._decode_blocks(request), lambda extra: self._choose_decode(request, extra)
+            )
             held_s = time.monotonic() - start
             if self.on_admitted is not None:
                 self.on_admitted(held_s)
         excluded: set[int] = set()
         for attempt in range(2):
-            place = self._place(request, excluded)
+            place = self._place(request, excluded, decode if attempt == 0 else None)
             streamed = False
             try:
                 async for event in self._run(request, place, attempt, held_s):
