@@ -22,7 +22,8 @@ from evolving_infra import KvDirectory, block_hashes
 from evolving_infra.router import api, config
 from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import Finished, NoEngineError, PreparedRequest, TextPiece
-from evolving_infra.router.pd import EngineHandle, PdDispatcher
+from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.routing.base import Phase
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
@@ -340,7 +341,8 @@ def test_the_decode_engine_is_the_one_whose_room_the_gate_gave() -> None:
         assert sorted(engine_of.values()) == [1, 2]
         tasks["C"] = asyncio.create_task(consume("C", big))
         await _settle()
-        assert d.gate is not None and d.gate.waiting == 1
+        assert d.gate is not None
+        assert d.gate.waiting == 1
         (c_engine,) = d.gate.extra()
         tasks["D"] = asyncio.create_task(consume("D", small))
         await _settle()

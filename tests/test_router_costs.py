@@ -23,8 +23,8 @@ from evolving_infra.planner.slices import Slices
 from evolving_infra.router import api
 from evolving_infra.router.daemon import SampleThinning
 from evolving_infra.router.dispatcher import Finished, PreparedRequest, TextPiece
+from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.pd import (
-    EngineHandle,
     PdDispatcher,
     _without_output_ids,
     ids_json,

@@ -19,7 +19,8 @@ from evolving_infra.control import EngineClient, serve
 from evolving_infra.engines.sim import SimEngine
 from evolving_infra.engines.sim.requests import GenerateSpec
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
-from evolving_infra.router.pd import EngineHandle, PdDispatcher
+from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel

@@ -39,8 +39,9 @@ from evolving_infra.router.app import build_app, serve
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
 from evolving_infra.router.ingest import EventIngestor, SampleIngestor
+from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.metrics import EngineView, RouterMetrics
-from evolving_infra.router.pd import EngineHandle, PdDispatcher
+from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.tokenize import load_tokenizer
 from evolving_infra.routing.evolving import EvolvingRouter

@@ -28,8 +28,8 @@ import json
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import aiohttp
 import structlog
@@ -46,13 +46,12 @@ from evolving_infra.router.dispatcher import (
     PreparedRequest,
     TextPiece,
 )
-from evolving_infra.routing.base import NodeLoad, Phase, Router, RouteRequest
+from evolving_infra.router.loads import EngineHandle, EngineState, LoadTracker
+from evolving_infra.routing.base import Phase, Router, RouteRequest
 from evolving_infra.routing.common import NoNodeError, blocks_for
 from evolving_infra.timing.model import IterationModel
 
 log = structlog.get_logger("evolving_infra.router.pd")
-
-EngineState = Literal["up", "draining", "down"]
 
 # SGLang's gateway draws the room as `u64 & i64::MAX` (notes §1.2): a non-negative i64.
 ROOM_MAX = (1 << 63) - 1
@@ -83,95 +82,6 @@ def ids_json(token_ids: Sequence[int]) -> bytes:
     texts = _id_texts()
     look = texts.__getitem__ if max(token_ids) < len(texts) else str
     return b"[" + ",".join(map(look, token_ids)).encode() + b"]"
-
-
-@dataclass(slots=True)
-class EngineHandle:
-    """One engine as the router knows it (from `GetInfo`, then kept current by the daemon)."""
-
-    node: int
-    http_url: str  # e.g. http://127.0.0.1:30000
-    phase: Phase
-    bootstrap_host: str
-    bootstrap_port: int
-    kv_capacity_blocks: int
-    state: EngineState = "up"
-    reason: str = ""  # why it is not up
-
-
-@dataclass(slots=True)
-class NodeWork:
-    """Work the router sent to one node and has not seen finish."""
-
-    queued_prefill_s: float = 0.0
-    queued_prefill_tokens: int = 0
-    decode_requests: int = 0
-    decode_context: int = 0  # prompt tokens of the requests decoding (the planner's context)
-    kv_used_blocks: int = 0
-
-    @property
-    def in_flight(self) -> float:
-        """A rough single figure of the work in flight: what a switch would have to drain."""
-        return self.queued_prefill_s + self.decode_requests
-
-
-@dataclass(slots=True)
-class LoadTracker:
-    """Per-node work the router has sent and not yet seen finish."""
-
-    loads: dict[int, NodeWork] = field(default_factory=dict)
-
-    def _get(self, node: int) -> NodeWork:
-        return self.loads.setdefault(node, NodeWork())
-
-    def add_prefill(self, node: int, seconds: float, tokens: int) -> None:
-        load = self._get(node)
-        load.queued_prefill_s += seconds
-        load.queued_prefill_tokens += tokens
-
-    def done_prefill(self, node: int, seconds: float, tokens: int) -> None:
-        load = self._get(node)
-        load.queued_prefill_s = max(load.queued_prefill_s - seconds, 0.0)
-        load.queued_prefill_tokens = max(load.queued_prefill_tokens - tokens, 0)
-
-    def add_decode(self, node: int, blocks: int, context: int) -> None:
-        load = self._get(node)
-        load.decode_requests += 1
-        load.decode_context += context
-        load.kv_used_blocks += blocks
-
-    def done_decode(self, node: int, blocks: int, context: int) -> None:
-        load = self._get(node)
-        load.decode_requests = max(load.decode_requests - 1, 0)
-        load.decode_context = max(load.decode_context - context, 0)
-        load.kv_used_blocks = max(load.kv_used_blocks - blocks, 0)
-
-    def used_blocks(self, node: int) -> int:
-        load = self.loads.get(node)
-        return load.kv_used_blocks if load is not None else 0
-
-    def view(
-        self, engines: Sequence[EngineHandle], extra: Mapping[int, int] | None = None
-    ) -> list[NodeLoad]:
-        """The policies' view of `engines`; `extra[node]` more KV blocks count as used (the
-        decode-KV gate's commitments, `DecodeGate.extra`)."""
-        out = []
-        for e in engines:
-            load = self._get(e.node)
-            used = load.kv_used_blocks + (extra.get(e.node, 0) if extra else 0)
-            out.append(
-                NodeLoad(
-                    node=e.node,
-                    phase=e.phase,
-                    accepting=e.state == "up",
-                    queued_prefill_s=load.queued_prefill_s,
-                    queued_prefill_tokens=load.queued_prefill_tokens,
-                    decode_requests=load.decode_requests,
-                    kv_used_blocks=used,
-                    kv_capacity_blocks=e.kv_capacity_blocks,
-                )
-            )
-        return out
 
 
 @dataclass(frozen=True, slots=True)

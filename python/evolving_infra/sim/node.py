@@ -132,7 +132,7 @@ class Node:
             queued_prefill_tokens=self.queued_tokens,
             decode_requests=len(self.batch) + len(self.joining) + self.inbound + len(self.waiting),
             # What a router counts once it has sent requests here (the live router counts a
-            # request's KV from dispatch, `router.pd.LoadTracker`): the waiting requests' KV is
+            # request's KV from dispatch, `router.loads.LoadTracker`): the waiting requests' KV is
             # taken too. Without it a node whose head waits for most of its KV (SGLang's
             # prealloc queue is FIFO) stays the most free and every request queues behind it.
             kv_used_blocks=min(kv.reserved + kv.pinned + self.waiting_blocks, kv.l1_capacity),

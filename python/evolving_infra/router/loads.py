@@ -1,0 +1,104 @@
+"""The router's view of its engines: what each one is (`EngineHandle`, kept current by the daemon)
+and the work it sent there and has not seen finish (`LoadTracker`), from which the routing
+policies' `NodeLoad`s are built. Counted on the router side, from what it dispatched (as Dynamo's
+and SGLang's routers do), so choosing a node needs no round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from evolving_infra.routing.base import NodeLoad, Phase
+
+EngineState = Literal["up", "draining", "down"]
+
+
+@dataclass(slots=True)
+class EngineHandle:
+    """One engine as the router knows it (from `GetInfo`, then kept current by the daemon)."""
+
+    node: int
+    http_url: str  # e.g. http://127.0.0.1:30000
+    phase: Phase
+    bootstrap_host: str
+    bootstrap_port: int
+    kv_capacity_blocks: int
+    state: EngineState = "up"
+    reason: str = ""  # why it is not up
+
+
+@dataclass(slots=True)
+class NodeWork:
+    """Work the router sent to one node and has not seen finish."""
+
+    queued_prefill_s: float = 0.0
+    queued_prefill_tokens: int = 0
+    decode_requests: int = 0
+    decode_context: int = 0  # prompt tokens of the requests decoding (the planner's context)
+    kv_used_blocks: int = 0
+
+    @property
+    def in_flight(self) -> float:
+        """A rough single figure of the work in flight: what a switch would have to drain."""
+        return self.queued_prefill_s + self.decode_requests
+
+
+@dataclass(slots=True)
+class LoadTracker:
+    """Per-node work the router has sent and not yet seen finish."""
+
+    loads: dict[int, NodeWork] = field(default_factory=dict)
+
+    def _get(self, node: int) -> NodeWork:
+        return self.loads.setdefault(node, NodeWork())
+
+    def add_prefill(self, node: int, seconds: float, tokens: int) -> None:
+        load = self._get(node)
+        load.queued_prefill_s += seconds
+        load.queued_prefill_tokens += tokens
+
+    def done_prefill(self, node: int, seconds: float, tokens: int) -> None:
+        load = self._get(node)
+        load.queued_prefill_s = max(load.queued_prefill_s - seconds, 0.0)
+        load.queued_prefill_tokens = max(load.queued_prefill_tokens - tokens, 0)
+
+    def add_decode(self, node: int, blocks: int, context: int) -> None:
+        load = self._get(node)
+        load.decode_requests += 1
+        load.decode_context += context
+        load.kv_used_blocks += blocks
+
+    def done_decode(self, node: int, blocks: int, context: int) -> None:
+        load = self._get(node)
+        load.decode_requests = max(load.decode_requests - 1, 0)
+        load.decode_context = max(load.decode_context - context, 0)
+        load.kv_used_blocks = max(load.kv_used_blocks - blocks, 0)
+
+    def used_blocks(self, node: int) -> int:
+        load = self.loads.get(node)
+        return load.kv_used_blocks if load is not None else 0
+
+    def view(
+        self, engines: Sequence[EngineHandle], extra: Mapping[int, int] | None = None
+    ) -> list[NodeLoad]:
+        """The policies' view of `engines`; `extra[node]` more KV blocks count as used (the
+        decode-KV gate's commitments, `DecodeGate.extra`)."""
+        out = []
+        for e in engines:
+            load = self._get(e.node)
+            used = load.kv_used_blocks + (extra.get(e.node, 0) if extra else 0)
+            out.append(
+                NodeLoad(
+                    node=e.node,
+                    phase=e.phase,
+                    accepting=e.state == "up",
+                    queued_prefill_s=load.queued_prefill_s,
+                    queued_prefill_tokens=load.queued_prefill_tokens,
+                    decode_requests=load.decode_requests,
+                    kv_used_blocks=used,
+                    kv_capacity_blocks=e.kv_capacity_blocks,
+                )
+            )
+        return out
