@@ -281,8 +281,8 @@ def _scenarios() -> dict[str, Scenario]:
     )
     for gpus, wall in (
         (36, "~1 min / ~30 s"),
-        (256, "~7 min / ~30 s"),
-        (3072, "~2.5 h / ~70 s"),
+        (256, "~7-10 min / ~30 s"),
+        (3072, "~2 h / ~70 s"),
     ):
         out[f"scale-{gpus}"] = Scenario(
             f"scale-{gpus}",
