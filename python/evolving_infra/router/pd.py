@@ -183,12 +183,15 @@ class PdDispatcher:
         if self.gate is not None:
             self.gate.notify()
 
+    def _up_decode(self) -> list[EngineHandle]:
+        """The decode engines that take requests now."""
+        return [e for e in self.engines.values() if e.phase == "decode" and e.state == "up"]
+
     def _decode_space(self) -> dict[int, tuple[int, int]]:
         """The up decode engines' KV capacity and blocks in use by the router's count."""
         return {
             e.node: (e.kv_capacity_blocks, self.loads.used_blocks(e.node))
-            for e in self.engines.values()
-            if e.phase == "decode" and e.state == "up"
+            for e in self._up_decode()
         }
 
     def _route(self, req: PreparedRequest) -> RouteRequest:
@@ -200,13 +203,12 @@ class PdDispatcher:
             branch=str(req.branch),
         )
 
-    def _choose_decode(self, req: PreparedRequest, extra: Mapping[int, int]) -> int:
-        """The decode engine the policy picks for `req` with the gate's commitments counted
+    def _choose_decode(self, route: RouteRequest, extra: Mapping[int, int]) -> int:
+        """The decode engine the policy picks for `route` with the gate's commitments counted
         (the gate queues the request there); -1 if none is up."""
-        engines = [e for e in self.engines.values() if e.phase == "decode" and e.state == "up"]
         try:
             return self.router.choose_decode(
-                self._route(req), self.loads.view(engines, extra), self.directory
+                route, self.loads.view(self._up_decode(), extra), self.directory
             )
         except NoNodeError:
             return -1
@@ -226,13 +228,18 @@ class PdDispatcher:
     # -- dispatch -----------------------------------------------------------------------------
 
     def _place(
-        self, req: PreparedRequest, excluded: set[int], decode: int | None = None
+        self,
+        req: PreparedRequest,
+        excluded: set[int],
+        decode: int | None = None,
+        route: RouteRequest | None = None,
     ) -> _Placement:
         """The request's engines: prefill by the policy on current loads; decode `decode` (the
         engine whose room the gate gave it) while it is an up decode engine, else the policy's."""
         engines = [e for e in self.engines.values() if e.node not in excluded]
         nodes = self.loads.view(engines, self.gate.extra() if self.gate is not None else None)
-        route = self._route(req)
+        if route is None:
+            route = self._route(req)
         # One match per request: the policy reads the same match as the placement below (it
         # matched once more before, and the ingestion threads may change the directory between).
         match = self.directory.match(route.hashes)
@@ -299,18 +306,20 @@ class PdDispatcher:
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         held_s = 0.0
         decode: int | None = None
+        # Built once: the gate's decode choice and the placement read the same request.
+        route = self._route(request)
         if self.gate is not None:
             # The room is taken by `_run` (`add_decode`) with no `await` in between.
             start = time.monotonic()
             decode = await self.gate.wait(
-                self._decode_blocks(request), lambda extra: self._choose_decode(request, extra)
+                self._decode_blocks(request), lambda extra: self._choose_decode(route, extra)
             )
             held_s = time.monotonic() - start
             if self.on_admitted is not None:
                 self.on_admitted(held_s)
         excluded: set[int] = set()
         for attempt in range(2):
-            place = self._place(request, excluded, decode if attempt == 0 else None)
+            place = self._place(request, excluded, decode if attempt == 0 else None, route)
             streamed = False
             try:
                 async for event in self._run(request, place, attempt, held_s):
