@@ -5,7 +5,7 @@ Hand-written and checked against the built module by `python -m mypy.stubtest`
 """
 
 from collections.abc import Sequence
-from typing import Final, Literal, final
+from typing import Final, Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -26,14 +26,22 @@ __all__ = [
     "UnknownBranchError",
     "UnknownParentError",
     "__version__",
+    "_fast_int_layout",
     "block_hashes",
     "trace_chain",
 ]
 
 __version__: Final[str]
 
+# A chain of block hashes: any sequence of ints, or an `int64` array (read without conversion).
+_Hashes: TypeAlias = Sequence[int] | npt.NDArray[np.int64]
+
 def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
     """SGLang 0.5.23 page hashes of every full page of `token_ids` (signed 64-bit ints)."""
+
+def _fast_int_layout() -> str | None:
+    """The int layout lists of hashes are read by ("ob_size", "lv_tag"), or None where every item
+    goes through the C API (`fastint.rs`). For tests and bug reports."""
 
 def trace_chain(seed: bytes, ids: npt.NDArray[np.int64], person: bytes) -> list[int]:
     """Trace block hashes chained from `seed` (`workloads.blocks.chain_from`): blake2b with an
@@ -141,17 +149,15 @@ class KvDirectory:
         self,
         node: int,
         tier: Tier,
-        hashes: Sequence[int],
+        hashes: _Hashes,
         parent: int | None = None,
         now: float | None = None,
     ) -> None: ...
-    def remove(self, node: int, tier: Tier, hashes: Sequence[int]) -> None: ...
+    def remove(self, node: int, tier: Tier, hashes: _Hashes) -> None: ...
     def clear(self, node: int, tier: Tier | None = None) -> None: ...
-    def match(self, hashes: Sequence[int]) -> PrefixMatch: ...
-    def touch(self, node: int, hashes: Sequence[int], now: float | None = None) -> None: ...
-    def branch_set(
-        self, branch: Branch, hashes: Sequence[int], version: int | None = None
-    ) -> bool: ...
+    def match(self, hashes: _Hashes) -> PrefixMatch: ...
+    def touch(self, node: int, hashes: _Hashes, now: float | None = None) -> None: ...
+    def branch_set(self, branch: Branch, hashes: _Hashes, version: int | None = None) -> bool: ...
     def branch_fork(self, src: Branch, dst: Branch) -> None: ...
     def branch_end(self, branch: Branch) -> bool: ...
     def refcount(self, h: int) -> int: ...

@@ -5,13 +5,13 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use numpy::PyReadonlyArray1;
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyString, PyTuple};
 
 use kvdir::{BlockHash, BranchId, Error, NodeId, Tier};
 
 use crate::errors::to_py;
+use crate::fastint;
 
 /// A hash from one Python int; ints outside the signed 64-bit range raise `HashRangeError`.
 pub(crate) fn hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
@@ -30,87 +30,16 @@ pub(crate) fn hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     }
 }
 
-/// `PyLong_AsLong` where C's `long` is 64 bits: `CPython` 3.11's `PyLong_AsLongLong` goes through
-/// `_PyLong_AsByteArray` for multi-digit ints (every real page hash), about 25 ns an int.
-#[cfg(all(target_pointer_width = "64", not(windows)))]
-unsafe fn as_i64(obj: *mut ffi::PyObject) -> i64 {
-    // SAFETY: forwarded from the caller (a valid object, GIL held).
-    unsafe { ffi::PyLong_AsLong(obj) }
-}
-
-#[cfg(not(all(target_pointer_width = "64", not(windows))))]
-unsafe fn as_i64(obj: *mut ffi::PyObject) -> i64 {
-    // SAFETY: forwarded from the caller (a valid object, GIL held).
-    unsafe { ffi::PyLong_AsLongLong(obj) }
-}
-
-/// How many items ahead `list_of_hashes` prefetches.
-const PREFETCH_AHEAD: usize = 16;
-
-/// Asks the CPU to start loading the cache line at `p` (a hint: never faults, no effect on
-/// results).
-#[inline]
-fn prefetch(p: *const ffi::PyObject) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint that never dereferences in the language's sense and never
-    // faults, whatever the address.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// The common case, a list of ints, read through the C API: pyo3's per-item `extract` costs
-/// ~35 ns an item, which made list conversion the largest part of a 100-block `match`.
-///
-/// NOTE: the ints of a real query were created one by one (hashing) and lie scattered in
-/// memory, so reading each is a cache miss; converting item i while item i + 16 is being
-/// prefetched overlaps those misses (a 100-int list: ~4 µs → ~1 µs on the benchmark machine).
-fn list_of_hashes(list: &Bound<'_, PyList>) -> PyResult<Vec<BlockHash>> {
-    let n = list.len();
-    let mut out = Vec::with_capacity(n);
-    let item = |i: usize| -> *mut ffi::PyObject {
-        // SAFETY: `list` is a list (checked by the cast) and `i < n`, its length, with the GIL
-        // held: a valid borrowed reference.
-        unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) }
-    };
-    for i in 0..n.min(PREFETCH_AHEAD) {
-        prefetch(item(i));
-    }
-    for i in 0..n {
-        if i + PREFETCH_AHEAD < n {
-            prefetch(item(i + PREFETCH_AHEAD));
-        }
-        let item = item(i);
-        // SAFETY: a valid object (above); `as_i64` accepts any object and reports failure
-        // through the error indicator, which is checked right after.
-        let v = unsafe {
-            let v = as_i64(item);
-            if v == -1 && !ffi::PyErr_Occurred().is_null() {
-                let err = PyErr::fetch(list.py());
-                let item = Bound::from_borrowed_ptr(list.py(), item);
-                return Err(if item.is_instance_of::<PyInt>() {
-                    hash(&item).unwrap_err()
-                } else {
-                    err
-                });
-            }
-            v
-        };
-        out.push(v);
-    }
-    Ok(out)
-}
-
 /// A chain of hashes from a list, a tuple, an `int64` numpy array or any iterable of ints.
 pub(crate) fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
     if let Ok(list) = obj.cast::<PyList>() {
-        return list_of_hashes(list);
+        // NOTE: the fallback iterates safely (an item's `__index__` may change the list).
+        return fastint::list(list)
+            .map_or_else(|| list.iter().map(|item| hash(&item)).collect(), Ok);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().map(|item| hash(&item)).collect();
+        return fastint::tuple(tuple)
+            .map_or_else(|| tuple.iter().map(|item| hash(&item)).collect(), Ok);
     }
     if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return Ok(array.as_array().to_vec());

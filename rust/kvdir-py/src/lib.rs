@@ -6,6 +6,7 @@ mod alloc;
 mod convert;
 mod directory;
 mod errors;
+mod fastint;
 
 use pyo3::prelude::*;
 
@@ -61,12 +62,21 @@ fn trace_chain(
     out.map_err(|e| errors::to_py(py, e))
 }
 
+/// The int layout lists of hashes are read by (`"ob_size"`, `"lv_tag"`), or None where every item
+/// goes through the C API (`fastint.rs`). For tests and bug reports.
+#[pyfunction]
+fn _fast_int_layout() -> Option<&'static str> {
+    fastint::layout_name()
+}
+
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     convert::init_clock(m.py())?;
+    fastint::init(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(trace_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(_fast_int_layout, m)?)?;
     m.add_class::<directory::KvDirectory>()?;
     m.add_class::<directory::PrefixMatch>()?;
     errors::register(m)?;
