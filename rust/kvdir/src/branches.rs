@@ -78,7 +78,9 @@ impl Directory {
         let mut context = Vec::with_capacity(hashes.len());
         context.extend_from_slice(&old[..common]);
         let mut prev = context.last().copied().unwrap_or(NIL);
-        for &h in &hashes[common..] {
+        let tail = &hashes[common..];
+        for (i, &h) in tail.iter().enumerate() {
+            self.blocks.prefetch_walk(tail, i);
             prev = self.find_or_insert(h, prev);
             context.push(prev);
         }

@@ -204,7 +204,8 @@ impl Directory {
             return Err(Error::DuplicateHash { hash });
         }
         let mut prev = parent;
-        for &h in hashes {
+        for (i, &h) in hashes.iter().enumerate() {
+            self.blocks.prefetch_walk(hashes, i);
             match self.known_parent(h, overlay) {
                 Some(known) if known != prev => {
                     return Err(Error::ParentMismatch {
@@ -304,7 +305,8 @@ impl Directory {
         };
         let mut prev = parent_idx;
         let mut known = 0;
-        for &h in hashes {
+        for (i, &h) in hashes.iter().enumerate() {
+            self.blocks.prefetch_walk(hashes, i);
             let Some(idx) = self.blocks.find(h) else {
                 break;
             };
@@ -317,7 +319,8 @@ impl Directory {
         }
         if known < hashes.len() {
             self.blocks.reserve(hashes.len() - known);
-            for &h in &hashes[known..] {
+            for (i, &h) in hashes.iter().enumerate().skip(known) {
+                self.blocks.prefetch_walk(hashes, i);
                 let Ok(idx) = self.blocks.find_or_claim(h) else {
                     // A known block or a repeat after a new one: give the claims back.
                     for i in (known..slots.len()).rev() {
@@ -528,6 +531,14 @@ impl Directory {
             else {
                 break;
             };
+            if !demoted {
+                // Evicting walks a chain up from its leaf, and a block whose last holder leaves
+                // is dropped from the index: the parent, likely next, will be. Hint its bucket.
+                let parent = self.blocks.get(key.idx).parent;
+                if parent != NIL {
+                    self.blocks.prefetch_hash(self.blocks.get(parent).hash);
+                }
+            }
             self.remove_holder_in_chain(key.idx, place, false, true, demoted);
             if !demoted {
                 self.collect(key.idx);

@@ -23,7 +23,8 @@ impl Directory {
     /// Slab indices of the leading query blocks that are known and chained by parent links.
     fn walk<'a>(&'a self, hashes: &'a [BlockHash]) -> impl Iterator<Item = u32> + 'a {
         let mut prev = NIL;
-        hashes.iter().map_while(move |&h| {
+        hashes.iter().enumerate().map_while(move |(i, &h)| {
+            self.blocks.prefetch_walk(hashes, i);
             let next = self
                 .blocks
                 .find(h)
