@@ -531,13 +531,12 @@ impl Directory {
             else {
                 break;
             };
-            if !demoted {
-                // Evicting walks a chain up from its leaf, and a block whose last holder leaves
-                // is dropped from the index: the parent, likely next, will be. Hint its bucket.
-                let parent = self.blocks.get(key.idx).parent;
-                if parent != NIL {
-                    self.blocks.prefetch_hash(self.blocks.get(parent).hash);
-                }
+            let b = self.blocks.get(key.idx);
+            if !demoted && b.holders.len() == 1 && b.refcount == 0 && b.parent != NIL {
+                // Evicting walks a chain up from its leaf. This block leaves the index (its last
+                // holder goes), so its parent, likely popped next, probably will too: hint the
+                // parent's bucket now. (Where blocks stay held elsewhere, the hint is a waste.)
+                self.blocks.prefetch_hash(self.blocks.get(b.parent).hash);
             }
             self.remove_holder_in_chain(key.idx, place, false, true, demoted);
             if !demoted {
