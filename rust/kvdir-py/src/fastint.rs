@@ -151,7 +151,15 @@ unsafe fn decode_all(
 
 /// The list's items if every one is an exact int in the signed 64-bit range, else `None`.
 pub(crate) fn list(list: &Bound<'_, PyList>) -> Option<Vec<BlockHash>> {
-    let layout = (*LAYOUT.get()?)?;
+    read_list((*LAYOUT.get()?)?, list)
+}
+
+/// The tuple's items if every one is an exact int in the signed 64-bit range, else `None`.
+pub(crate) fn tuple(tuple: &Bound<'_, PyTuple>) -> Option<Vec<BlockHash>> {
+    read_tuple((*LAYOUT.get()?)?, tuple)
+}
+
+fn read_list(layout: Layout, list: &Bound<'_, PyList>) -> Option<Vec<BlockHash>> {
     let p = list.as_ptr().cast::<List>();
     // SAFETY: a list (the caller's cast checked it) with the GIL held: its size and item array
     // are consistent and no Python code runs while they are read.
@@ -161,9 +169,7 @@ pub(crate) fn list(list: &Bound<'_, PyList>) -> Option<Vec<BlockHash>> {
     }
 }
 
-/// The tuple's items if every one is an exact int in the signed 64-bit range, else `None`.
-pub(crate) fn tuple(tuple: &Bound<'_, PyTuple>) -> Option<Vec<BlockHash>> {
-    let layout = (*LAYOUT.get()?)?;
+fn read_tuple(layout: Layout, tuple: &Bound<'_, PyTuple>) -> Option<Vec<BlockHash>> {
     let p = tuple.as_ptr().cast::<Tuple>();
     // SAFETY: a tuple (checked by the caller's cast), immutable, its items in place.
     unsafe {
@@ -232,22 +238,17 @@ fn self_test(py: Python<'_>, layout: Layout) -> PyResult<bool> {
         .collect();
     let as_list = PyList::new(py, &in_range)?;
     let as_tuple = PyTuple::new(py, &in_range)?;
-    // `list` and `tuple` read LAYOUT, not set yet: the layouts are read here directly.
+    // LAYOUT is not set yet: `layout` is passed in.
     let p = as_list.as_ptr().cast::<List>();
-    // SAFETY: a list we own, GIL held; `items` has `ob_size` valid entries.
-    let list_ok = unsafe {
+    // SAFETY: a list we own, GIL held; `items` has `ob_size` valid entries (checked first).
+    let items_ok = unsafe {
         usize::try_from((*p).head.ob_size).ok() == Some(in_range.len())
             && (0..in_range.len()).all(|i| {
                 *(*p).items.add(i) == ffi::PyList_GetItem(as_list.as_ptr(), i as ffi::Py_ssize_t)
             })
-            && decode_all(layout, (*p).items, in_range.len()).as_deref() == Some(&in_range[..])
     };
-    let t = as_tuple.as_ptr().cast::<Tuple>();
-    // SAFETY: as above, for a tuple we own.
-    let tuple_ok = unsafe {
-        usize::try_from((*t).head.ob_size).ok() == Some(in_range.len())
-            && decode_all(layout, (&raw const (*t).items).cast(), in_range.len()).as_deref()
-                == Some(&in_range[..])
-    };
-    Ok(list_ok && tuple_ok)
+    // A tuple's size sits where a list's does: read only once the list's was found right.
+    Ok(items_ok
+        && read_list(layout, &as_list).as_deref() == Some(&in_range[..])
+        && read_tuple(layout, &as_tuple).as_deref() == Some(&in_range[..]))
 }
