@@ -100,18 +100,10 @@ impl HolderList {
     /// block by block.
     #[inline]
     pub(crate) fn prefetch(&self, pos: usize) {
-        #[cfg(target_arch = "x86_64")]
         if let Some(h) = self.heap() {
             let at = pos.min(h.len as usize - 1);
-            // SAFETY: `at` is inside the buffer; a prefetch never faults and reads nothing in the
-            // language's sense.
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                _mm_prefetch::<_MM_HINT_T0>(h.ptr.add(at).cast::<i8>());
-            }
+            crate::table::prefetch_addr(h.ptr.wrapping_add(at).addr());
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = pos;
     }
 
     /// Bytes on the heap (0 while the list fits in place).

@@ -258,8 +258,10 @@ impl ProbeHint {
     }
 }
 
+/// Asks the CPU to start loading the cache line at `addr` (a hint: any address, no effect on
+/// results).
 #[inline]
-fn prefetch_addr(addr: usize) {
+pub(crate) fn prefetch_addr(addr: usize) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch is a hint that never faults and reads nothing in the language's sense,
     // whatever the address.
