@@ -12,6 +12,7 @@ use hashbrown::HashMap;
 use crate::branches::Branch;
 use crate::events::{decode_batch, Event, EventBatch};
 use crate::eviction::{EvKey, PlaceState, CANDIDATE_BYTES};
+use crate::holder_list::HolderList;
 use crate::holders::ChainPlace;
 use crate::table::{fold, Blocks, Holder, NIL};
 use crate::wide::WideLists;
@@ -582,6 +583,9 @@ impl Directory {
             self.add_holder(victims[i], &mut ctx, now, leaf_follows, parent_in_chain);
         }
         self.finish_chain(&ctx);
+        for &idx in &victims {
+            self.blocks.with_holders(idx, HolderList::shrink_to_fit);
+        }
         Ok(victims
             .iter()
             .map(|&idx| {

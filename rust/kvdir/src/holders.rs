@@ -290,7 +290,14 @@ impl Directory {
             let key = self.key(idx, &old);
             self.unindex(place, &key);
         }
-        self.blocks.with_holders(idx, |hs| hs.remove(pos));
+        // Demoted, the node's other-tier entry takes this one's place next: keep the buffer.
+        self.blocks.with_holders(idx, |hs| {
+            if node_stays {
+                hs.remove_keep(pos)
+            } else {
+                hs.remove(pos)
+            }
+        });
         let node = place.node();
         let block = self.blocks.get_mut(idx);
         if old.root_tier() {

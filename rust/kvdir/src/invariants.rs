@@ -45,6 +45,11 @@ impl Directory {
                 b.holders.windows(2).all(|w| w[0].place < w[1].place),
                 "holders sorted"
             );
+            assert!(
+                b.holders.is_tight(),
+                "holders of {} keep spare room between calls",
+                b.hash
+            );
             let parent = (b.parent != NIL).then(|| self.blocks.get(b.parent));
             let (mut full_l1, mut full_node) = (0, 0);
             for (i, h) in b.holders.iter().enumerate() {
