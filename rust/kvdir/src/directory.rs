@@ -583,19 +583,18 @@ impl Directory {
             self.add_holder(victims[i], &mut ctx, now, leaf_follows, parent_in_chain);
         }
         self.finish_chain(&ctx);
+        // One pass over the victims: each list gets its tight buffer back, and its block's
+        // record, in cache for that, gives the result.
+        let mut out = Vec::with_capacity(victims.len());
         for &idx in &victims {
             self.blocks.with_holders(idx, HolderList::shrink_to_fit);
+            let b = self.blocks.get(idx);
+            out.push((
+                b.hash,
+                (b.parent != NIL).then(|| self.blocks.get(b.parent).hash),
+            ));
         }
-        Ok(victims
-            .iter()
-            .map(|&idx| {
-                let b = self.blocks.get(idx);
-                (
-                    b.hash,
-                    (b.parent != NIL).then(|| self.blocks.get(b.parent).hash),
-                )
-            })
-            .collect())
+        Ok(out)
     }
 
     /// Decodes one SGLang `KVEventBatch` and applies it as `node`'s events; returns the number of

@@ -240,11 +240,9 @@ impl HolderList {
     /// Gives a list that `remove_keep` left with spare room the buffer its length needs (none
     /// for one holder).
     pub(crate) fn shrink_to_fit(&mut self) {
-        if let Some(h) = self.heap() {
-            if h.len() < 2 || capacity(h.len()) != h.cap() {
-                let items: SmallVec<[Holder; 8]> = SmallVec::from_slice(self);
-                self.replace(&items);
-            }
+        if !self.is_tight() {
+            let items: SmallVec<[Holder; 8]> = SmallVec::from_slice(self);
+            self.replace(&items);
         }
     }
 
