@@ -346,7 +346,7 @@ impl PrefixMatch {
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         let m = &self.inner;
-        for ((n, l1), l12) in m.node_ids.iter().zip(&m.l1).zip(&m.l12) {
+        for ((n, l1), l12) in m.node_ids().iter().zip(m.l1()).zip(m.l12()) {
             d.set_item(n, (l1, l12))?;
         }
         Ok(d)
@@ -415,32 +415,32 @@ impl PrefixMatch {
     /// Nodes with l12 > 0, ascending.
     #[getter]
     fn node_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        int64_array(py, &self.inner.node_ids)
+        int64_array(py, self.inner.node_ids())
     }
 
     /// Leading query blocks in each node's L1, aligned with `node_ids`.
     #[getter]
     fn l1<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        int64_array(py, &self.inner.l1)
+        int64_array(py, self.inner.l1())
     }
 
     /// Leading query blocks in each node's L1 ∪ L2, aligned with `node_ids`.
     #[getter]
     fn l12<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        int64_array(py, &self.inner.l12)
+        int64_array(py, self.inner.l12())
     }
 
     fn __len__(&self) -> usize {
-        self.inner.node_ids.len()
+        self.inner.len()
     }
 
     fn __repr__(&self) -> String {
         let m = &self.inner;
         let nodes: Vec<String> = m
-            .node_ids
+            .node_ids()
             .iter()
-            .zip(&m.l1)
-            .zip(&m.l12)
+            .zip(m.l1())
+            .zip(m.l12())
             .map(|((n, a), b)| format!("{n}: ({a}, {b})"))
             .collect();
         format!(

@@ -41,37 +41,49 @@ impl Directory {
         // several cache misses in flight, where the counting below would hold up the next one.
         let path: SmallVec<[u32; 128]> = self.walk(hashes).collect();
         let mut path = path.into_iter();
-        let Some(first) = path
+        let Some((first_idx, first)) = path
             .next()
-            .map(|i| self.blocks.get(i))
-            .filter(|b| !b.holders.is_empty())
+            .map(|i| (i, self.blocks.get(i)))
+            .filter(|(_, b)| !b.holders.is_empty())
         else {
             return PrefixMatch::default();
         };
-        // Every node with l12 > 0 holds the first block; `res` is ascending by node.
-        let mut res = PrefixMatch {
-            node_ids: Vec::with_capacity(first.holders.len()),
-            ..PrefixMatch::default()
-        };
-        for h in &first.holders {
-            let node = h.place.node();
-            if res.node_ids.last() != Some(&node) {
-                res.node_ids.push(node);
+        // Every node with l12 > 0 holds the first block; the result is ascending by node. A first
+        // page is rooted wherever it is held, so a wide one's list is exactly those nodes, in a
+        // quarter of the bytes of its holders.
+        let mut nodes = Vec::new();
+        if let Some(wide) = self.wide.get(Kind::Node, first_idx) {
+            nodes.extend_from_slice(wide);
+        } else {
+            nodes.reserve_exact(first.holders.len());
+            for h in &first.holders {
+                let node = h.place.node();
+                if nodes.last() != Some(&node) {
+                    nodes.push(node);
+                }
             }
         }
-        res.l1.resize(res.node_ids.len(), 0);
-        res.l12.resize(res.node_ids.len(), 0);
+        let mut res = PrefixMatch::with_nodes(&nodes);
         // The nodes still counting: those holding the whole path so far (in some tier; in L1).
-        // While both sets agree, `alive1` stays empty and `alive` serves both counts.
-        let mut alive = Alive::new(res.node_ids.clone());
+        // While both sets agree, `alive1` stays empty, `alive` serves both counts and `l1`
+        // shares `l12`'s array.
+        let mut alive = Alive::new(nodes);
         // A first page is rooted wherever it is held: the sets agree when every node has it in L1.
         let mut shared = first.full_l1 == first.full_node;
         let mut alive1 = Alive::default();
         if !shared {
-            alive1 = Alive::subset(&alive, Kind::L1.rooted(first));
+            res.split_l1();
+            let l1 = self.wide.get(Kind::L1, first_idx);
+            alive1 = Alive::subset(
+                &alive,
+                l1.map_or_else(|| Kind::L1.rooted(first), <[_]>::to_vec),
+            );
         }
         let has_l2 = |b: &Block| b.holders.iter().any(|h| h.place.tier() == Tier::L2);
-        let (mut pool, mut depth) = (u32::from(has_l2(first)), 1u32);
+        // Each L1 entry of a first page is rooted in its tier: the rest are L2 entries.
+        let first_l2 = first.holders.len() > first.full_l1 as usize;
+        debug_assert_eq!(first_l2, has_l2(first), "first page {}", first.hash);
+        let (mut pool, mut depth) = (u32::from(first_l2), 1u32);
         for idx in path {
             let b = self.blocks.get(idx);
             if b.holders.is_empty() {
@@ -79,19 +91,19 @@ impl Directory {
             }
             if shared && b.full_l1 != b.full_node {
                 shared = false;
+                res.split_l1();
                 alive1 = alive.clone();
             }
             if (b.full_node as usize) < alive.nodes.len() {
+                let l12 = res.l12_mut();
                 self.drop_out(&mut alive, Kind::Node, idx, b.full_node, |i| {
-                    res.l12[i as usize] = depth;
-                    if shared {
-                        res.l1[i as usize] = depth;
-                    }
+                    l12[i as usize] = depth;
                 });
             }
             if !shared && (b.full_l1 as usize) < alive1.nodes.len() {
+                let l1 = res.l1_mut();
                 self.drop_out(&mut alive1, Kind::L1, idx, b.full_l1, |i| {
-                    res.l1[i as usize] = depth;
+                    l1[i as usize] = depth;
                 });
             }
             if pool == depth && has_l2(b) {
@@ -99,11 +111,15 @@ impl Directory {
             }
             depth += 1;
         }
+        let l12 = res.l12_mut();
         for &i in &alive.at {
-            res.l12[i as usize] = depth;
+            l12[i as usize] = depth;
         }
-        for &i in if shared { &alive.at } else { &alive1.at } {
-            res.l1[i as usize] = depth;
+        if !shared {
+            let l1 = res.l1_mut();
+            for &i in &alive1.at {
+                l1[i as usize] = depth;
+            }
         }
         res.pool = pool;
         res.cluster = depth;
@@ -282,6 +298,30 @@ mod tests {
         for absent in [0, 4, 8, NodeId::MAX] {
             assert_eq!(m.node(absent), (0, 0));
         }
+    }
+
+    #[test]
+    fn l1_shares_l12s_array_until_the_counts_part() {
+        let mut d = Directory::new();
+        let chain: Vec<BlockHash> = (1..=6).collect();
+        d.store(1, Tier::L1, &chain, None, 1.0).unwrap();
+        d.store(2, Tier::L1, &chain[..3], None, 1.0).unwrap();
+        let m = d.match_prefix(&chain);
+        assert_eq!(m.data.len(), 2 * m.len(), "no L2: one array serves both");
+        assert_eq!((m.l1(), m.l12()), (&[6, 3][..], &[6, 3][..]));
+        // Node 2's L2 copy of blocks 4 and 5 parts the counts at block 4.
+        d.store(2, Tier::L2, &chain[3..5], Some(3), 1.0).unwrap();
+        let m = d.match_prefix(&chain);
+        assert_eq!(m.data.len(), 3 * m.len());
+        assert_eq!((m.l1(), m.l12()), (&[6, 3][..], &[6, 5][..]));
+        // Equal however stored: `new` shares equal arrays.
+        let shared = PrefixMatch::new(&[1, 2], &[6, 3], &[6, 3], 0, 6);
+        let mut split = shared.clone();
+        split.split_l1();
+        assert_eq!(shared.data.len(), 4);
+        assert_eq!(split.data.len(), 6);
+        assert_eq!(shared, split);
+        assert_ne!(shared, PrefixMatch::new(&[1, 2], &[6, 2], &[6, 3], 0, 6));
     }
 
     #[test]

@@ -60,7 +60,7 @@ pub fn ttft_into(
         *o = q.max(pool_fetch) + base;
     }
     let n = queue.len();
-    for ((&node, &l1), &l12) in m.node_ids.iter().zip(&m.l1).zip(&m.l12) {
+    for ((&node, &l1), &l12) in m.node_ids().iter().zip(m.l1()).zip(m.l12()) {
         let Some(k) = slot
             .get(node as usize)
             .and_then(|&s| usize::try_from(s).ok())
@@ -99,13 +99,7 @@ mod tests {
 
     #[test]
     fn cached_nodes_win_unless_their_queue_is_long() {
-        let m = PrefixMatch {
-            node_ids: vec![1, 3],
-            l1: vec![9, 0],
-            l12: vec![9, 5],
-            pool: 0,
-            cluster: 9,
-        };
+        let m = PrefixMatch::new(&[1, 3], &[9, 0], &[9, 5], 0, 9);
         let p = params();
         let slot = [0, 1, 2, 3];
         let mut out = [0.0; 4];
@@ -130,13 +124,7 @@ mod tests {
 
     #[test]
     fn a_full_hit_still_computes_one_token_and_non_candidates_are_skipped() {
-        let m = PrefixMatch {
-            node_ids: vec![0, 7],
-            l1: vec![10, 10],
-            l12: vec![10, 10],
-            pool: 0,
-            cluster: 10,
-        };
+        let m = PrefixMatch::new(&[0, 7], &[10, 10], &[10, 10], 0, 10);
         let p = params();
         let mut out = [0.0; 1];
         let best = ttft_into(&m, &p, &[0], &[0.0], &mut out);

@@ -169,9 +169,9 @@ fn compare(d: &Directory, r: &Reference) -> Result<(), TestCaseError> {
         let m = d.match_prefix(&q);
         let (nodes, pool, cluster) = r.match_prefix(&q);
         let got: BTreeMap<u32, (u32, u32)> = m
-            .node_ids
+            .node_ids()
             .iter()
-            .zip(m.l1.iter().zip(&m.l12))
+            .zip(m.l1().iter().zip(m.l12()))
             .map(|(&n, (&a, &b))| (n, (a, b)))
             .collect();
         prop_assert_eq!(got, nodes, "match nodes {:?}", q);

@@ -27,14 +27,14 @@ fn match_counts_per_node_pool_and_cluster() {
         (2, Tier::L2, &[2, 3], Some(1), 0.0),
     ]);
     let m = d.match_prefix(&[1, 2, 3, 4, 5]);
-    assert_eq!(m.node_ids, vec![0, 1, 2]);
-    assert_eq!(m.l1, vec![4, 0, 1]);
-    assert_eq!(m.l12, vec![4, 2, 3]);
+    assert_eq!(m.node_ids(), vec![0, 1, 2]);
+    assert_eq!(m.l1(), vec![4, 0, 1]);
+    assert_eq!(m.l12(), vec![4, 2, 3]);
     assert_eq!(m.pool, 3, "blocks 1-3 are each in some L2; 4 is in none");
     assert_eq!(m.cluster, 4);
     let m = d.match_prefix(&[2, 3]);
     assert_eq!(
-        (m.node_ids.len(), m.cluster),
+        (m.len(), m.cluster),
         (0, 0),
         "a query starts at a first page"
     );
@@ -131,7 +131,7 @@ fn rejected_new_tails_leave_no_trace() {
     d.store(0, Tier::L1, &[3, 4, 5, 6, 7, 8], Some(2), 2.0)
         .unwrap();
     d.check_invariants();
-    assert_eq!(d.match_prefix(&[1, 2, 3, 4, 5, 6, 7, 8]).l1, vec![8]);
+    assert_eq!(d.match_prefix(&[1, 2, 3, 4, 5, 6, 7, 8]).l1(), [8]);
     assert_eq!(d.len(), 8);
 }
 
@@ -231,7 +231,7 @@ fn events_in_both_encodings_reach_the_same_state() {
         assert_eq!(applied, vec![2, 1, 1], "the DISK event is skipped");
         let m = d.match_prefix(&[1, 2, 3, 4]);
         assert_eq!(
-            (m.l1.clone(), m.l12.clone(), m.pool, m.cluster),
+            (m.l1().to_vec(), m.l12().to_vec(), m.pool, m.cluster),
             (vec![3], vec![3], 2, 3)
         );
         assert_eq!(d.stats().events_skipped, 1);
@@ -300,8 +300,8 @@ fn clear_one_tier_keeps_the_other() {
     d.clear(0, Some(Tier::L1));
     let m = d.match_prefix(&[1, 2, 3]);
     assert_eq!(
-        (m.node_ids, m.l1, m.l12),
-        (vec![0, 1], vec![0, 1], vec![2, 1])
+        (m.node_ids(), m.l1(), m.l12()),
+        (&[0, 1][..], &[0, 1][..], &[2, 1][..])
     );
     assert!(!d.contains(3));
     d.clear(0, None);
@@ -372,21 +372,21 @@ fn nodes_drop_out_at_wide_and_narrow_blocks() {
         d.check_invariants();
         let m = d.match_prefix(&chain);
         let want: Vec<u32> = (0..40).map(|n| len(n) as u32).collect();
-        assert_eq!(m.node_ids, (0..40).collect::<Vec<_>>());
-        assert_eq!(m.l12, want);
-        assert_eq!(m.l1, want);
+        assert_eq!(m.node_ids(), (0..40).collect::<Vec<_>>());
+        assert_eq!(m.l12(), want);
+        assert_eq!(m.l1(), want);
         assert_eq!((m.pool, m.cluster), (20, 40));
         // Node 38 leaves L1 from block 10 on and holds nothing in L2: both counts stop at 9.
         d.remove(38, Tier::L1, &chain[9..]);
         let m = d.match_prefix(&chain);
         assert_eq!(
-            (m.l1[38], m.l12[38]),
+            (m.l1()[38], m.l12()[38]),
             (9.min(len(38) as u32), 9.min(len(38) as u32))
         );
         // Node 39 (L2 holds its first half) leaves L1 from block 2: l1 = 1, l12 = its L2 half.
         d.remove(39, Tier::L1, &chain[1..]);
         let m = d.match_prefix(&chain);
-        assert_eq!((m.l1[39], m.l12[39]), (1, len(39).div_ceil(2) as u32));
+        assert_eq!((m.l1()[39], m.l12()[39]), (1, len(39).div_ceil(2) as u32));
         d.check_invariants();
     }
 }

@@ -12,18 +12,18 @@ use crate::model::{Model, ModelMatch};
 pub fn match_of(d: &Directory, q: &[BlockHash]) -> ModelMatch {
     let m = d.match_prefix(q);
     assert!(
-        m.node_ids.windows(2).all(|w| w[0] < w[1]),
+        m.node_ids().windows(2).all(|w| w[0] < w[1]),
         "node_ids ascending: {m:?}"
     );
     assert_eq!(
-        (m.l1.len(), m.l12.len()),
-        (m.node_ids.len(), m.node_ids.len())
+        (m.l1().len(), m.l12().len()),
+        (m.len(), m.len())
     );
     assert!(m.pool <= m.cluster, "{m:?}");
     let nodes = m
-        .node_ids
+        .node_ids()
         .iter()
-        .zip(m.l1.iter().zip(&m.l12))
+        .zip(m.l1().iter().zip(m.l12()))
         .map(|(&n, (&l1, &l12))| {
             assert!(0 < l12 && l1 <= l12 && l12 <= m.cluster, "{m:?}");
             (n, (l1, l12))
