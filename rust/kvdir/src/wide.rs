@@ -80,6 +80,7 @@ impl WideLists {
 
     /// `node` gained (`on`) or lost its rooted flag of `kind` on block `idx`, whose count and
     /// flags are already updated.
+    #[inline]
     pub(crate) fn changed(&mut self, kind: Kind, idx: u32, b: &Block, node: NodeId, on: bool) {
         let count = kind.count(b);
         // Lists exist only from NARROW up: below it (before and after) there is nothing to look up.
@@ -87,6 +88,14 @@ impl WideLists {
         if before < NARROW && count < WIDE {
             return;
         }
+        self.update(kind, idx, b, node, on);
+    }
+
+    /// `changed` for a block with a list before or after the change (out of line: most blocks
+    /// are narrow, and `store` called `changed` once per stored block only to return).
+    #[inline(never)]
+    fn update(&mut self, kind: Kind, idx: u32, b: &Block, node: NodeId, on: bool) {
+        let count = kind.count(b);
         let map = self.map(kind);
         if let Some(list) = map.get_mut(&idx) {
             if count < NARROW {
