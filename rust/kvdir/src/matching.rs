@@ -48,21 +48,9 @@ impl Directory {
         else {
             return PrefixMatch::default();
         };
-        // Every node with l12 > 0 holds the first block; the result is ascending by node. A first
-        // page is rooted wherever it is held, so a wide one's list is exactly those nodes, in a
-        // quarter of the bytes of its holders.
-        let mut nodes = Vec::new();
-        if let Some(wide) = self.wide.get(Kind::Node, first_idx) {
-            nodes.extend_from_slice(wide);
-        } else {
-            nodes.reserve_exact(first.holders.len());
-            for h in &first.holders {
-                let node = h.place.node();
-                if nodes.last() != Some(&node) {
-                    nodes.push(node);
-                }
-            }
-        }
+        // Every node with l12 > 0 holds the first block, and a first page is rooted wherever it is
+        // held: its rooted nodes are the result's, ascending.
+        let nodes = self.wide.rooted(Kind::Node, first_idx, first);
         let mut res = PrefixMatch::with_nodes(&nodes);
         // The nodes still counting: those holding the whole path so far (in some tier; in L1).
         // While both sets agree, `alive1` stays empty, `alive` serves both counts and `l1`
@@ -73,11 +61,7 @@ impl Directory {
         let mut alive1 = Alive::default();
         if !shared {
             res.split_l1();
-            let l1 = self.wide.get(Kind::L1, first_idx);
-            alive1 = Alive::subset(
-                &alive,
-                l1.map_or_else(|| Kind::L1.rooted(first), <[_]>::to_vec),
-            );
+            alive1 = Alive::subset(&alive, self.wide.rooted(Kind::L1, first_idx, first));
         }
         let has_l2 = |b: &Block| b.holders.iter().any(|h| h.place.tier() == Tier::L2);
         // Each L1 entry of a first page is rooted in its tier: the rest are L2 entries.

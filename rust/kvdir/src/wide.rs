@@ -78,6 +78,13 @@ impl WideLists {
         .map(Vec::as_slice)
     }
 
+    /// The block's rooted nodes of this kind, ascending: its list if it is wide (4 bytes a node),
+    /// else from its holders (16 bytes an entry).
+    pub(crate) fn rooted(&self, kind: Kind, idx: u32, b: &Block) -> Vec<NodeId> {
+        self.get(kind, idx)
+            .map_or_else(|| kind.rooted(b), <[NodeId]>::to_vec)
+    }
+
     /// `node` gained (`on`) or lost its rooted flag of `kind` on block `idx`, whose count and
     /// flags are already updated.
     #[inline]
