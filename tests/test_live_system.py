@@ -208,3 +208,42 @@ def test_with_every_decode_engine_down_requests_get_503_with_the_reason(
         assert ok["state"] == "serving"
     finally:
         c.stop()
+
+
+def test_an_engine_whose_port_is_taken_starts_again_on_fresh_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port picked for engine 1's HTTP API is taken before it binds (here by a socket of the
+    test; in CI once by another engine's ZMQ stream): `cluster up` starts it again on fresh ports
+    instead of failing, and the cluster serves."""
+    import socket
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    held = int(taken.getsockname()[1])
+    from evolving_infra.engines.pool.master import free_ports as real
+
+    calls: list[int] = []
+
+    def first_has_a_taken_port(count: int) -> list[int]:
+        ports: list[int] = real(count)
+        calls.append(count)
+        if len(calls) == 1:  # the engines' ports: http[0], http[1], grpc[0], grpc[1]
+            ports[1] = held
+        return ports
+
+    monkeypatch.setattr(cluster_command, "free_ports", first_has_a_taken_port)
+    try:
+        c = start_cluster(tmp_path, engines=2, prefill=1)
+    finally:
+        taken.close()
+    try:
+        assert calls == [4, 2], calls  # the engines' ports, then fresh ones for engine 1
+        assert "cannot listen" in (tmp_path / "engine-1.log").read_text()
+        assert f":{held}" not in c.engine_urls[1]
+        assert _get(f"{c.engine_urls[1]}/health")["state"] == "serving"
+        status, _ = _chat(c.router_url, "hello after a restart")
+        assert status == 200
+    finally:
+        c.stop()

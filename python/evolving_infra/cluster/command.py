@@ -46,6 +46,12 @@ example:
 
 START_TIMEOUT_S = 60.0
 
+# An engine that cannot bind its ports is started again on fresh ones, this many times in all.
+ENGINE_START_ATTEMPTS = 3
+# What an engine prints, and exits with status 2, when one of its ports is taken
+# (`engines/sim/command.py`).
+CANNOT_LISTEN = "error: cannot listen:"
+
 
 class ClusterError(RuntimeError):
     """A process of the cluster failed to start or exited; the message names it."""
@@ -197,20 +203,44 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
             pool = ["--pool-master", master.start().rpc]
         ports = free_ports(2 * n)
         http, grpc = ports[:n], ports[n:]
-        cluster.engine_urls = [f"http://127.0.0.1:{p}" for p in http]
-        cluster.control = [f"127.0.0.1:{p}" for p in grpc]
         l2 = [] if args.l2_blocks is None else ["--l2-blocks", str(args.l2_blocks)]
-        for i in range(n):
+
+        def spawn_engine(i: int) -> _Proc:
             phase = "prefill" if i < prefill else "decode"
-            cluster.spawn(
+            return cluster.spawn(
                 f"engine-{i}",
                 [*me, "engine", "--backend", "sim", "--node-id", str(i), "--phase", phase,
                  "--port", str(http[i]), "--grpc-port", str(grpc[i]), "--model", args.model,
                  "--gpu", args.gpu, "--tp", str(args.tp), "--page-size", str(args.page_size),
                  "--time-scale", str(args.time_scale), "--seed", str(i), *l2, *pool],
             )  # fmt: skip
+
+        engines = [spawn_engine(i) for i in range(n)]
+        starts = [1] * n
         for i in range(n):
-            wait_healthy(cluster, f"http://127.0.0.1:{http[i]}/health", f"engine {i}")
+            while True:
+                try:
+                    wait_healthy(cluster, f"http://127.0.0.1:{http[i]}/health", f"engine {i}")
+                    break
+                except ClusterError:
+                    # NOTE: a port `free_ports` picked can be taken before its engine binds it,
+                    # by another process or by the engines started just before (each binds its
+                    # ZMQ streams to ports the kernel picks). Such an engine exits saying it
+                    # cannot listen: it starts again on fresh ports, as the pool master does.
+                    unbound = [
+                        j for j, e in enumerate(engines)
+                        if e.exited() is not None and CANNOT_LISTEN in e.tail()
+                    ]  # fmt: skip
+                    if not unbound or any(starts[j] == ENGINE_START_ATTEMPTS for j in unbound):
+                        raise
+                    fresh = free_ports(2 * len(unbound))
+                    for k, j in enumerate(unbound):
+                        cluster.procs.remove(engines[j])
+                        http[j], grpc[j] = fresh[2 * k], fresh[2 * k + 1]
+                        engines[j] = spawn_engine(j)
+                        starts[j] += 1
+        cluster.engine_urls = [f"http://127.0.0.1:{p}" for p in http]
+        cluster.control = [f"127.0.0.1:{p}" for p in grpc]
         router = [*me, "router", "--engines", *(f"127.0.0.1:{g}" for g in grpc),
                   "--port", str(args.router_port), "--page-size", str(args.page_size),
                   "--planner-interval", str(args.planner_interval)]  # fmt: skip
