@@ -6,6 +6,7 @@ roofline ground truth that the simulated engine and the simulator run on; `model
 `IterationModel`; `ttft` the per-node TTFT predictor.
 """
 
+from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.samples import (
     BadSampleError,
     PrefillBatch,
@@ -30,6 +31,7 @@ from evolving_infra.timing.specs import (
     GpuSpec,
     ModelConfig,
 )
+from evolving_infra.timing.ttft import TTFTPredictor
 
 __all__ = [
     "A100",
@@ -43,10 +45,12 @@ __all__ = [
     "BadSampleError",
     "Deployment",
     "GpuSpec",
+    "IterationModel",
     "ModelConfig",
     "PrefillBatch",
     "Sample",
     "SampleFileError",
+    "TTFTPredictor",
     "Timing",
     "TimingError",
     "from_forward_pass_metrics",
