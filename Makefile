@@ -9,35 +9,44 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 NATIVE := $(VENV)/.native
 SGLANG := $(VENV)/.sglang-cpu
+# Checks (and as root installs) what the targets need outside .venv; one line and exit 2 if it
+# cannot (scripts/system-deps.sh says what each level holds).
+SYSTEM_DEPS := PYTHON=$(PYTHON) scripts/system-deps.sh
 
 .DEFAULT_GOAL := help
-.PHONY: help venv build demo demo-directory test test-rust test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak sglang fuzz clean
+.PHONY: help system-deps-build system-deps-test venv build demo demo-directory test test-rust \
+	test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak sglang fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+system-deps-build:
+	@$(SYSTEM_DEPS) build
+
+system-deps-test:
+	@$(SYSTEM_DEPS) test
+
+# Every Python dependency is in pyproject.toml; `dev` is a working copy's set (test, bench, the
+# pool, lint and build tools). The editable install builds the extension once (release, as
+# maturin's PEP 517 backend does); `build` rebuilds it in place after a change to the Rust code.
+$(STAMP): pyproject.toml | system-deps-build
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "maturin>=1.7,<2" "numpy>=1.26" "scipy>=1.11" "matplotlib>=3.8" \
-		"msgpack>=1.0" "rich>=13" "structlog>=24" \
-		"aiohttp>=3.9" "grpcio>=1.85.1" "protobuf>=7.35.1,<8" "prometheus-client>=0.20" \
-		"pyzmq>=25" "tokenizers>=0.15" "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
-		"pytest>=8" "hypothesis>=6.100" "mypy>=1.11" "ruff>=0.6" "scipy-stubs" "pytest-benchmark>=4" \
-		"grpcio-tools==1.85.1" "mypy-protobuf==5.1.0" "types-protobuf>=7.35.1" "types-grpcio>=1.85"
+	$(PIP) install --quiet -e '.[dev]'
 	touch $@
 
-venv: $(STAMP) ## create .venv with the Python dependencies
+venv: $(STAMP) ## create .venv with the project and its `dev` extra (test, bench, pool, lint)
 
 $(NATIVE): $(STAMP) Cargo.toml rust/kvdir/Cargo.toml rust/kvdir-py/Cargo.toml $(wildcard rust/*/src/*.rs)
-	$(VENV)/bin/maturin develop --release --quiet
+	$(VENV)/bin/maturin develop --release --skip-install --quiet
 	touch $@
 
 build: $(NATIVE) ## build the Rust extension (release) into .venv
 
-# SGLang 0.5.23's own code, for the tests of the SGLang backend (tests/test_sglang_*): a CPU
-# install (scripts/install-sglang-cpu.sh says how and why), ~3 GB to download, ~6 GB on disk.
-$(SGLANG): $(STAMP) scripts/install-sglang-cpu.sh scripts/sglang-cpu-constraints.txt
+# SGLang 0.5.23's own code, for the tests of the SGLang backend (tests/test_sglang_*): the
+# `sglang` extra and SGLang without its CUDA kernels (scripts/install-sglang-cpu.sh says how and
+# why), ~3 GB to download, ~6 GB on disk.
+$(SGLANG): $(STAMP) pyproject.toml scripts/install-sglang-cpu.sh scripts/sglang-cpu-constraints.txt | system-deps-test
 	scripts/install-sglang-cpu.sh $(VENV)
 	touch $@
 
@@ -50,16 +59,16 @@ demo: build ## 36 simulated GPUs serving the bundled Claude Code sessions: evolv
 demo-directory: build ## replay the bundled Claude Code traces into the KV directory alone; per-node hit rates
 	$(VENV)/bin/evolving-infra demo
 
-test: lint test-rust test-py ## everything CI runs: lint (clippy, stubtest, mypy, ruff), cargo tests, pytest
+test: system-deps-test lint test-rust test-py ## everything CI runs: lint (clippy, stubtest, mypy, ruff), cargo tests, pytest
 
-test-rust: ## cargo tests (unit, property, golden)
+test-rust: system-deps-test ## cargo tests (unit, property, golden)
 	cargo test --workspace --exclude kvdir-py --all-targets
 	cargo test -p kvdir-py --lib alloc  # the bindings' one Rust test: their allocator
 
-test-py: build $(SGLANG) ## pytest (the SGLang backend's tests included: `pytest -m sglang`)
+test-py: system-deps-test build $(SGLANG) ## pytest (the SGLang backend's tests included: `pytest -m sglang`)
 	$(VENV)/bin/pytest -q
 
-lint: build ## clippy, rustfmt --check, stubtest, mypy --strict, ruff
+lint: system-deps-test build ## clippy, rustfmt --check, stubtest, mypy --strict, ruff
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo fmt --all --check
 	$(PY) -m mypy.stubtest evolving_infra._core --allowlist python/stubtest-allowlist.txt
@@ -112,9 +121,7 @@ bench-rust: ## criterion benchmarks of the core crate (1M blocks x 1,000 nodes)
 bench-py: build ## pytest-benchmark of the Python API
 	$(VENV)/bin/pytest benches -m bench --benchmark-only -p no:randomly
 
-bench-dynamo: build ## side by side with NVIDIA Dynamo's RadixTree (installs ai-dynamo-runtime 1.6.1)
-	$(PIP) install --quiet --no-deps ai-dynamo-runtime==1.6.1
-	$(PIP) install --quiet "pydantic>=2.10.6,<=2.13.5" "uvloop>=0.21.0"
+bench-dynamo: build ## side by side with NVIDIA Dynamo's RadixTree (ai-dynamo-runtime 1.6.1, the `bench` extra)
 	OPENBLAS_NUM_THREADS=1 $(PY) benches/compare_dynamo.py
 
 clean: ## remove build outputs and .venv

@@ -31,9 +31,8 @@ Options: --seed, --queries, --quick (smaller sizes, a smoke run), --json OUT (al
 --no-pin (do not pin the process, Dynamo's tree thread included, to one core; unpinned, Dynamo
 pays a thread wake-up per call).
 
-Install Dynamo's binding without its heavy dependencies:
-`.venv/bin/pip install --no-deps ai-dynamo-runtime==1.6.1` then
-`.venv/bin/pip install "pydantic>=2.10.6,<=2.13.5" "uvloop>=0.21.0"`.
+Dynamo's binding comes with the project's `bench` extra (`pip install -e '.[bench]'`; `make
+venv` installs it): ai-dynamo-runtime 1.6.1, whose own requirements are only pydantic and uvloop.
 """
 
 from __future__ import annotations
@@ -69,9 +68,8 @@ from workload import (
 INSTALL_DYNAMO = (
     "Dynamo's Python binding is not importable\n"
     "(`from dynamo.llm import RadixTree` failed: {err}).\n"
-    "Install it into the project's virtualenv without its dependencies:\n"
-    "  .venv/bin/pip install --no-deps ai-dynamo-runtime==1.6.1\n"
-    '  .venv/bin/pip install "pydantic>=2.10.6,<=2.13.5" "uvloop>=0.21.0"\n'
+    "Install the project's `bench` extra (ai-dynamo-runtime 1.6.1) into its virtualenv:\n"
+    "  .venv/bin/pip install -e '.[bench]'\n"
     "(the wheel is manylinux x86-64, CPython >= 3.10; it needs no GPU, NATS or etcd)."
 )
 BUILD_OURS = (

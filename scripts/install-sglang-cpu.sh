@@ -5,8 +5,9 @@
 #
 #   scripts/install-sglang-cpu.sh .venv
 #
-# Idempotent: a stamp in VENV_DIR records a hash of this script and its constraints file; a second
-# run with both unchanged does nothing.
+# What goes in is pyproject.toml's: the `sglang` extra, then SGLang itself (the `sglang-gpu` extra's
+# pin) without its requirements. Idempotent: a stamp in VENV_DIR records a hash of this script, its
+# constraints file and pyproject.toml; a second run with all three unchanged does nothing.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -24,50 +25,46 @@ if [[ ! -x $pip ]]; then
     echo "$0: $venv is not a virtual environment (no bin/pip); run 'make venv' first" >&2
     exit 2
 fi
-# SGLang hashes KV pages with a C++ extension that torch compiles on first use (step 5): it
-# needs a C++ compiler and OpenSSL's headers (Debian: g++, libssl-dev).
+# SGLang hashes KV pages with a C++ extension that torch compiles on first use (step 3): it
+# needs a C++ compiler and OpenSSL's headers (Debian: g++, libssl-dev; `make` installs them).
 for need in g++:g++ /usr/include/openssl/sha.h:libssl-dev; do
     if ! command -v "${need%%:*}" >/dev/null 2>&1 && [[ ! -e ${need%%:*} ]]; then
         echo "$0: ${need%%:*} not found; install the Debian package ${need#*:}" >&2
         exit 2
     fi
 done
-want=$(cat "${BASH_SOURCE[0]}" "$constraints" | sha256sum | cut -c1-16)
+root=$(cd "$here/.." && pwd)
+want=$(cat "${BASH_SOURCE[0]}" "$constraints" "$root/pyproject.toml" | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
     exit 0
 fi
 
-# `--no-warn-conflicts` below only silences pip's list of the sglang requirements left out on
-# purpose (CUDA kernels, its exact tokenizers pin); a real resolution error still fails the step.
+# The pin of SGLang itself: the `sglang-gpu` extra, what a GPU node installs with its requirements.
+sglang=$("$venv/bin/python" - "$root/pyproject.toml" <<'PY'
+import sys
+import tomllib
 
-# 1. torch. PyPI has only the CUDA build for Linux x86-64 (no "+cpu" wheel is reachable); it
-#    imports and runs on a CPU once its nvidia-* libraries are installed, because libtorch_cuda.so
-#    links them even when no GPU is used. 2.14.1 is the version sglang 0.5.23 pins, and the one
-#    its bundled Rust radix-tree core (built against libtorch) supports.
-"$pip" install --quiet --no-warn-conflicts -c "$constraints" torch
+with open(sys.argv[1], "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+(pin,) = extras["sglang-gpu"]
+print(pin)
+PY
+)
 
-# 2. SGLang without its dependencies: plain `pip install sglang` resolves the CUDA 13 kernels
-#    (flashinfer, sglang-kernel, deep-ep, cutlass-dsl, ...), several gigabytes that cannot load
-#    without a GPU driver.
-"$pip" install --quiet --no-deps -c "$constraints" sglang
+# 1. The `sglang` extra, resolved together with the project's `dev` one so that neither moves the
+#    other's versions: what SGLang's code imports on a CPU (pyproject.toml says which and why).
+#    torch is PyPI's CUDA build (no "+cpu" wheel is reachable); it imports and runs on a CPU once
+#    its nvidia-* libraries are installed, because libtorch_cuda.so links them even when no GPU is
+#    used. The constraints file only forbids the CUDA kernel and media packages: a requirement that
+#    names one fails the install instead of pulling gigabytes.
+"$pip" install --quiet -c "$constraints" -e "$root[dev,sglang]"
 
-# 3. What `import sglang.srt.managers.scheduler`, `sglang.srt.server_args`,
-#    `sglang.srt.entrypoints.http_server` and the mem_cache / disaggregation modules need at import
-#    time, and no more. torchvision is the real one built for torch 2.14 (its CPU operators work
-#    without a GPU). The constraints keep the project's grpcio/protobuf where they are and make a
-#    requirement on a CUDA kernel package fail instead of resolving.
-"$pip" install --quiet --no-warn-conflicts -c "$constraints" \
-    torchvision transformers huggingface_hub sentencepiece apache-tvm-ffi \
-    msgspec pyzmq pydantic fastapi uvicorn python-multipart orjson psutil requests aiohttp \
-    uvloop setproctitle prometheus-client pybase64 packaging pillow tqdm IPython dill gguf \
-    openai partial_json_parser xxhash zstandard einops loguru jsonschema rpds-py soundfile cffi \
-    ninja
+# 2. SGLang without its requirements: they resolve the CUDA 13 kernels (flashinfer, sglang-kernel,
+#    deep-ep, cutlass-dsl, ...), several gigabytes that cannot load without a GPU driver, and its
+#    exact tokenizers pin. `--no-warn-conflicts` only silences pip's list of those left out.
+"$pip" install --quiet --no-deps --no-warn-conflicts "$sglang"
 
-# 4. Imported by sglang's constrained-decoding and quantization modules; their own requirements
-#    name torch or CUDA packages we do not want resolved again, so they go in without them.
-"$pip" install --quiet --no-deps --no-warn-conflicts -c "$constraints" xgrammar compressed-tensors
-
-# 5. Check that the parts the tests use import, and build SGLang's page-hash extension
+# 3. Check that the parts the tests use import, and build SGLang's page-hash extension
 #    (mem_cache/cpp_utils/hash_binding.cpp, which every radix-cache insert needs; torch compiles
 #    it with ninja, g++ and libssl's headers on first use) into VENV_DIR/torch-extensions, where
 #    tests/sglang_support.py points TORCH_EXTENSIONS_DIR, so no test pays the ~30 s compile.
