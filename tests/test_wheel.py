@@ -14,7 +14,6 @@ quick after the project's own install) and maturin (the `dev` extra).
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -65,14 +64,10 @@ def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
 
 
 def test_the_installed_package_is_the_wheel(venv: Path) -> None:
-    where = _ok(
-        _run(
-            [str(venv / "bin" / "python"), "-c", "import evolving_infra as e; print(e.__file__)"],
-            venv.parent,
-        )  # fmt: skip
-    )
-    assert Path(where.strip()).is_relative_to(venv)
-    assert not Path(where.strip()).is_relative_to(ROOT)
+    code = "import evolving_infra as e; print(e.__file__)"
+    where = Path(_ok(_run([str(venv / "bin" / "python"), "-c", code], venv.parent)).strip())
+    assert where.is_relative_to(venv)
+    assert not where.is_relative_to(ROOT)
 
 
 def test_cluster_up_without_mooncake_says_how_in_one_line(venv: Path) -> None:
@@ -142,8 +137,8 @@ def test_cluster_up_with_the_pool_extra_serves_a_chat_completion(venv: Path, whe
             cluster.kill()
             cluster.wait()
     assert cluster.returncode == 0, out
-    assert "mooncake master" in out  # the pool ran: the start-up table lists its master
     assert "Traceback" not in out
-    # Every process of the cluster logged into the user's folder, none into the checkout.
-    assert {"router.log", "engine-0.log", "engine-1.log"} <= {p.name for p in logs.iterdir()}
-    shutil.rmtree(logs)
+    # Every process of the cluster logged into the user's folder, the pool's master among them.
+    names = {p.name for p in logs.iterdir()}
+    assert {"router.log", "engine-0.log", "engine-1.log"} <= names, names
+    assert any(n.startswith("master-") for n in names), names
