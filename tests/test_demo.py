@@ -115,7 +115,7 @@ def test_config_file_is_honoured_and_flags_override_it(
     ("toml", "message"),
     [
         ("colour = 3\n", "colour: unknown option"),
-        ('nodes = "many"\n', "nodes: invalid literal"),
+        ('nodes = "many"\n', "nodes: expected an int >= 1, got 'many'"),
         ("nodes = 0\n", "nodes: expected an int >= 1"),
         ("json = 1\n", "json: expected true or false"),
         ("nodes = [\n", "not TOML"),

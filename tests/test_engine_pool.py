@@ -28,6 +28,7 @@ from evolving_infra.engines.pool import PoolConfig, PoolMaster
 from evolving_infra.engines.sim import EngineSettings, SimEngine, build_app
 from evolving_infra.engines.sim import command as engine_command
 from evolving_infra.engines.sim.pool import parse_master, pool_config
+from evolving_infra.errors import CommandError
 from test_engine_sim_helpers import PAGE, RecordingSink, Running, prompt, settings
 
 # Mooncake comes with the `pool` extra (in `dev`, which `make test` installs): without it these
@@ -215,5 +216,6 @@ def test_engine_command_takes_the_pool_flags(tmp_path: Path) -> None:
     assert engine_command.settings_from(parser.parse_args([])).pool is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--pool-master", "nohost"])
-    # No master at that address: the engine says so and does not serve.
-    assert asyncio.run(engine_command.serve(args)) == 2
+    # No master at that address: the engine says so (cli.main prints it, status 2), not serving.
+    with pytest.raises(CommandError, match=r"cannot join the pool at 127\.0\.0\.1:1"):
+        asyncio.run(engine_command.serve(args))

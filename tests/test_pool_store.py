@@ -275,7 +275,7 @@ def test_master_start_failure_is_typed(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_missing_mooncake_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     # The one stand-in in this file: an uninstalled wheel cannot be had on a machine that has it.
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    with pytest.raises(MooncakeMissingError, match="pip install mooncake-transfer-engine"):
+    with pytest.raises(MooncakeMissingError, match=r"pip install .evolving-infra\[pool\]."):
         PoolMaster().start()
 
 

@@ -3,18 +3,23 @@
 A subcommand is a module with NAME, HELP, DESCRIPTION, `add_arguments(parser)` and
 `run(args) -> int` (the `Command` protocol); add it to `COMMANDS`. Every subcommand also takes
 `--config FILE`, a TOML file whose keys are its option names; flags override the file.
+
+`main` is the one place that reports errors (`errors.py`): an error a user can fix is one line,
+`evolving-infra CMD: error: ...`, with exit status 2; a bug is one line too, `internal error`,
+with exit status 1 (EVOLVING_INFRA_DEBUG=1 shows its traceback); Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from evolving_infra import demo, logs
+from evolving_infra import demo, errors, logs
 from evolving_infra.cluster import command as cluster_command
 from evolving_infra.engines.sim import command as engine_command
 from evolving_infra.replay import command as replay_command
@@ -58,6 +63,20 @@ class ConfigError(ValueError):
     """A --config file that cannot be used; the message names the file and the key."""
 
 
+# Errors a user can fix, reported as one line with exit status 2 (CommandError: its own status).
+USER_ERRORS: tuple[type[Exception], ...] = (
+    errors.CommandError,
+    ConfigError,
+    TraceFormatError,
+    TraceError,
+    WorkloadError,
+    TimingError,
+    RouterConfigError,
+    TokenizerLoadError,
+    OSError,
+)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="evolving-infra",
@@ -88,6 +107,9 @@ def config_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, An
             table = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not TOML: {e}") from None
+    except OSError as e:
+        reason = (e.strerror or str(e)).lower()
+        raise ConfigError(f"--config {path}: cannot read it: {reason}") from None
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     values: dict[str, Any] = {}
     for key, value in table.items():
@@ -99,6 +121,9 @@ def config_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, An
     return values
 
 
+_KINDS: dict[object, str] = {int: "an int", float: "a number"}
+
+
 def _convert(action: argparse.Action, value: Any, path: Path, key: str) -> Any:
     def one(v: Any) -> Any:
         if isinstance(v, bool) or not isinstance(v, str | int | float):
@@ -106,8 +131,14 @@ def _convert(action: argparse.Action, value: Any, path: Path, key: str) -> Any:
         convert = action.type if callable(action.type) else str
         try:
             out = convert(str(v))
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+        except argparse.ArgumentTypeError as e:
             raise ConfigError(f"{path}: {key}: {e}") from None
+        except (ValueError, TypeError) as e:
+            reason = f"expected {_KINDS[convert]}, got {v!r}" if convert in _KINDS else str(e)
+            raise ConfigError(f"{path}: {key}: {errors.one_line(reason)}") from None
+        if action.choices is not None and out not in action.choices:
+            known = ", ".join(map(str, action.choices))
+            raise ConfigError(f"{path}: {key}: {v!r} is not one of {known}")
         # Relative paths in a config file are relative to the file, not to the working folder.
         return path.parent / out if isinstance(out, Path) else out
 
@@ -123,7 +154,12 @@ def _convert(action: argparse.Action, value: Any, path: Path, key: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, parsers = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug in an option's type, say: argparse reports only its own
+        return internal_error(argv[0] if argv else "", e)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
@@ -135,18 +171,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.configure()
         command: Command = args.command_obj
         return command.run(args)
-    except (
-        ConfigError,
-        TraceFormatError,
-        TraceError,
-        WorkloadError,
-        TimingError,
-        RouterConfigError,
-        TokenizerLoadError,
-        OSError,
-    ) as e:
-        print(f"evolving-infra {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as e:
+        return report(args.command, e)
+    except Exception as e:
+        return internal_error(args.command, e)
+
+
+def internal_error(command: str, e: Exception) -> int:
+    """A bug, not the user's doing: one line naming it (its traceback under EVOLVING_INFRA_DEBUG=1,
+    which raises it again); exit status 1."""
+    if errors.debugging():
+        raise e
+    prog = f"evolving-infra {command}".rstrip()
+    with contextlib.suppress(OSError, ValueError):
+        print(
+            f"{prog}: internal error: {type(e).__name__}: {errors.message(e)}"
+            f" (set {errors.DEBUG_ENV}=1 for the traceback)",
+            file=sys.stderr,
+        )
+    return 1
+
+
+def report(command: str, e: Exception) -> int:
+    """Prints `e` as the CLI's error line (and its details, if any); returns the exit status."""
+    lines = [f"evolving-infra {command}: error: {errors.message(e)}"]
+    if isinstance(e, errors.CommandError):
+        if e.details:
+            lines.append(e.details)
+        status = e.exit_status
+    else:
+        status = 2
+    with contextlib.suppress(OSError, ValueError):  # stderr closed: the status still says it
+        print("\n".join(lines), file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

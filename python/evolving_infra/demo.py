@@ -176,6 +176,9 @@ def load(config: DemoConfig) -> list[Conversation]:
     if not config.traces and not paths[0].is_dir():
         raise FileNotFoundError(f"no bundled traces at {paths[0]}; name them with --traces")
     files = find_trace_files(paths)[: config.limit_files]
+    if not files:
+        names = ", ".join(map(str, paths))
+        raise FileNotFoundError(f"no trace files in {names}; name them with --traces")
     conversations: list[Conversation] = []
     first: dict[str, Path] = {}
     for path in files:

@@ -6,7 +6,9 @@ simulated engines (the first `--prefill` of them in the prefill phase, the rest 
 ZMQ event and sample streams) and the router daemon in front of them; waits until the router's
 `/health` says every engine is up; then waits. Ctrl-C (or SIGTERM) stops the router first, then
 the engines, then the master. If any process exits on its own, everything is stopped and the
-command fails, naming it and showing the end of its log.
+command fails (status 1), naming it and its log, with the child's own error line when it printed
+one, else the end of its log. A router port already taken, or Mooncake missing without
+`--no-pool`, is found before anything starts: one line, status 2.
 
 Each process logs to `--log-dir` (JSON lines; the master's own log too).
 """
@@ -29,9 +31,22 @@ from types import FrameType
 from rich.console import Console
 from rich.table import Table
 
-from evolving_infra.argtypes import natural_int, positive_float, positive_int, positive_seconds
+from evolving_infra.argtypes import (
+    check_output_folder,
+    int_at_least,
+    natural_int,
+    port,
+    positive_float,
+    positive_int,
+    positive_seconds,
+)
+from evolving_infra.engines.pool.errors import MooncakeMissingError
 from evolving_infra.engines.pool.master import free_ports
-from evolving_infra.timing.specs import GPUS, MODELS
+from evolving_infra.engines.sim.command import check_deployment
+from evolving_infra.engines.sim.core import EngineSettings
+from evolving_infra.errors import CommandError, one_line
+from evolving_infra.ports import PortInUseError, check_listen, port_taken
+from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "cluster"
 HELP = "start a live system on loopback: pool master, simulated engines and the router"
@@ -49,12 +64,17 @@ START_TIMEOUT_S = 60.0
 # An engine that cannot bind its ports is started again on fresh ones, this many times in all.
 ENGINE_START_ATTEMPTS = 3
 # What an engine prints, and exits with status 2, when one of its ports is taken
-# (`engines/sim/command.py`).
-CANNOT_LISTEN = "error: cannot listen:"
+# (`ports.PortInUseError`, from `engines/sim/command.py`).
+CANNOT_LISTEN = "error: cannot listen"
+LOOPBACK = "127.0.0.1"
+TAIL_LINES = 15
 
 
-class ClusterError(RuntimeError):
-    """A process of the cluster failed to start or exited; the message names it."""
+class ClusterError(CommandError):
+    """A process of the cluster failed to start or exited (not the user's doing: status 1); the
+    first line names it and its log, `details` may hold the end of that log."""
+
+    exit_status = 1
 
 
 @dataclass
@@ -90,10 +110,31 @@ class _Proc:
             p.kill()
             p.wait()
 
-    def tail(self, lines: int = 15) -> str:
+    def tail(self, lines: int = TAIL_LINES) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
+
+    def failure(self, code: int) -> ClusterError:
+        """The error for this process having exited with `code`: its own error line when it
+        printed one (`evolving-infra X: error: ...`), else the end of its log on later lines."""
+        said = _error_line(self.tail(40))
+        if said:
+            return ClusterError(f"{self.name} exited with status {code}: {said} (log: {self.log})")
+        tail = "\n".join(f"  {line[:300]}" for line in self.tail().splitlines())
+        return ClusterError(
+            f"{self.name} exited with status {code}; its log: {self.log}"
+            + ("; its last lines:" if tail else " (empty)"),
+            details=tail,
+        )
+
+
+def _error_line(log: str) -> str:
+    """What a child `evolving-infra` command said when it failed: its error line, unprefixed."""
+    for line in reversed(log.splitlines()):
+        if line.startswith("evolving-infra ") and ": error: " in line:
+            return one_line(line.split(": error: ", 1)[1])
+    return ""
 
 
 @dataclass
@@ -117,7 +158,7 @@ class Cluster:
         for p in self.procs:
             code = p.exited()
             if code is not None:
-                raise ClusterError(f"{p.name} exited with status {code}; its log:\n{p.tail()}")
+                raise p.failure(code)
 
     def stop(self) -> None:
         """The router first (no new requests reach the engines), then every engine at once
@@ -137,10 +178,12 @@ class Cluster:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("action", choices=["up"], help="up: start everything and wait (Ctrl-C stops it all)")
-    a("--engines", type=positive_int, default=4, help="simulated engines (default: 4)")
+    a("--engines", type=int_at_least(2), default=4,
+      help="simulated engines, at least 2 (default: 4)")  # fmt: skip
     a("--prefill", type=natural_int, default=None,
       help="engines starting in the prefill phase (default: half, rounded up)")  # fmt: skip
-    a("--router-port", type=natural_int, default=8000, help="router port (default: 8000)")
+    a("--router-port", type=port, default=8000,
+      help="router port (0: any free port; default: 8000)")  # fmt: skip
     a("--model", choices=sorted(MODELS), default="llama-3-8b", help="model (default: %(default)s)")
     a("--gpu", choices=sorted(GPUS), default="h100-sxm", help="GPU kind (default: %(default)s)")
     a("--tp", type=positive_int, default=1, help="GPUs per engine (default: 1)")
@@ -172,7 +215,9 @@ def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
         return None
 
 
-def wait_healthy(cluster: Cluster, url: str, what: str) -> dict[str, object]:
+def wait_healthy(
+    cluster: Cluster, url: str, what: str, log: Path | None = None
+) -> dict[str, object]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         cluster.check()
@@ -183,13 +228,22 @@ def wait_healthy(cluster: Cluster, url: str, what: str) -> dict[str, object]:
         ):
             return health
         time.sleep(0.2)
-    raise ClusterError(f"{what} not healthy after {START_TIMEOUT_S:.0f} s ({url})")
+    raise ClusterError(
+        f"{what} not healthy after {START_TIMEOUT_S:.0f} s ({url})"
+        + (f"; see its log: {log}" if log is not None else "")
+    )
 
 
 def up(args: argparse.Namespace, console: Console) -> Cluster:
     """Starts everything (see the module docstring); the caller stops it."""
     n = args.engines
     prefill = (n + 1) // 2 if args.prefill is None else min(args.prefill, n)
+    # The user's errors first, before anything starts: a router port taken, a bad log folder.
+    deployment = Deployment(MODELS[args.model], GPUS[args.gpu], args.tp)
+    check_deployment(EngineSettings(deployment=deployment, page_size=args.page_size))
+    router_port = args.router_port or free_ports(1)[0]
+    check_listen(LOOPBACK, router_port, "--router-port")
+    check_output_folder(args.log_dir, "--log-dir")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(args.log_dir)
     me = [sys.executable, "-m", "evolving_infra"]
@@ -200,7 +254,10 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
 
             master = PoolMaster(log_dir=args.log_dir)
             cluster.master = master
-            pool = ["--pool-master", master.start().rpc]
+            try:
+                pool = ["--pool-master", master.start().rpc]
+            except MooncakeMissingError as e:
+                raise e.otherwise("run with --no-pool") from None
         ports = free_ports(2 * n)
         http, grpc = ports[:n], ports[n:]
         l2 = [] if args.l2_blocks is None else ["--l2-blocks", str(args.l2_blocks)]
@@ -220,7 +277,8 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
         for i in range(n):
             while True:
                 try:
-                    wait_healthy(cluster, f"http://127.0.0.1:{http[i]}/health", f"engine {i}")
+                    url = f"http://127.0.0.1:{http[i]}/health"
+                    wait_healthy(cluster, url, f"engine {i}", engines[i].log)
                     break
                 except ClusterError:
                     # NOTE: a port `free_ports` picked can be taken before its engine binds it,
@@ -242,22 +300,28 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
         cluster.engine_urls = [f"http://127.0.0.1:{p}" for p in http]
         cluster.control = [f"127.0.0.1:{p}" for p in grpc]
         router = [*me, "router", "--engines", *(f"127.0.0.1:{g}" for g in grpc),
-                  "--port", str(args.router_port), "--page-size", str(args.page_size),
+                  "--port", str(router_port), "--page-size", str(args.page_size),
                   "--planner-interval", str(args.planner_interval)]  # fmt: skip
         if args.no_planner:
             router.append("--no-planner")
         if args.no_admission:
             router.append("--no-admission")
-        cluster.spawn("router", router)
-        cluster.router_url = f"http://127.0.0.1:{args.router_port}"
-        wait_healthy(cluster, f"{cluster.router_url}/health", "the router")
+        router_proc = cluster.spawn("router", router)
+        cluster.router_url = f"http://127.0.0.1:{router_port}"
+        try:
+            wait_healthy(cluster, f"{cluster.router_url}/health", "the router", router_proc.log)
+        except ClusterError:
+            # Taken by another process since the check above: the user's choice to make.
+            if router_proc.exited() is not None and port_taken(LOOPBACK, router_port):
+                raise PortInUseError(LOOPBACK, router_port, "--router-port") from None
+            raise
     except BaseException:
         cluster.stop()
         raise
     table = Table(title="evolving-infra cluster on 127.0.0.1")
     for col in ("process", "phase", "address", "log"):
         table.add_column(col)
-    table.add_row("router", "", f"http://127.0.0.1:{args.router_port}", "router.log")
+    table.add_row("router", "", cluster.router_url, "router.log")
     for i in range(n):
         phase = "prefill" if i < prefill else "decode"
         table.add_row(
@@ -281,21 +345,14 @@ def run(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
-    try:
-        cluster = up(args, console)
-    except ClusterError as e:
-        print(f"evolving-infra cluster: error: {e}", file=sys.stderr)
-        return 1
+    cluster = up(args, console)  # its errors are reported by cli.main
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         while not stopping:
             cluster.check()
             time.sleep(0.5)
-    except ClusterError as e:
-        print(f"evolving-infra cluster: error: {e}", file=sys.stderr)
+        console.print("stopping: router, engines, pool master")
+    finally:
         cluster.stop()
-        return 1
-    console.print("stopping: router, engines, pool master")
-    cluster.stop()
     return 0

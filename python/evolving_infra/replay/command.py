@@ -11,6 +11,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
@@ -18,8 +19,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from evolving_infra.argtypes import positive_int, positive_seconds
-from evolving_infra.replay.client import probe
+from evolving_infra.argtypes import positive_float, positive_int, positive_seconds
+from evolving_infra.errors import CommandError, one_line
+from evolving_infra.replay.client import RouterInfo, probe
 from evolving_infra.replay.runner import Progress, Replayer, ReplaySettings, scale_time
 from evolving_infra.replay.summary import Summary
 from evolving_infra.workloads.generators.common import SlotPlan
@@ -59,6 +61,25 @@ example:
 
 DEFAULT_ROUTER = "http://127.0.0.1:8000"
 DEFAULT_MODEL = "default"  # what is sent when the router lists no model names
+PROBE_TIMEOUT_S = 10.0  # the router's /health and /v1/models before the run
+
+
+class RouterUnusableError(CommandError):
+    """The router cannot be reached, is not healthy, or disagrees with the options."""
+
+
+def router_url(text: str) -> str:
+    """`--router`: an http(s) URL with a host, without a trailing slash."""
+    url = urlsplit(text)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(
+            f"expected an http:// URL such as {DEFAULT_ROUTER}, got {text!r}"
+        )
+    try:
+        url.port  # noqa: B018 (a bad port raises here)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad port in {text!r}") from None
+    return text.rstrip("/")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--router",
+        type=router_url,
         default=DEFAULT_ROUTER,
         metavar="URL",
         help=f"the router's base URL (default: {DEFAULT_ROUTER})",
@@ -101,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--speed",
-        type=positive_seconds,
+        type=positive_float,
         default=1.0,
         metavar="X",
         help="divide every trace wait and spawn delay by X: think time compressed (default: 1)",
@@ -159,13 +181,7 @@ def run(args: argparse.Namespace) -> int:
             page_size=args.page_size,
         )
     router = args.router.rstrip("/")
-    try:
-        summary = asyncio.run(_run(trace, router, args))
-    except (aiohttp.ClientError, ValueError) as e:
-        print(f"evolving-infra replay: error: {router}: {e}", file=sys.stderr)
-        return 2
-    if summary is None:
-        return 2
+    summary = asyncio.run(_run(trace, router, args))
     if args.json:
         sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
     else:
@@ -173,23 +189,43 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary.completed and not summary.lost else 1
 
 
-async def _run(trace: Trace, router: str, args: argparse.Namespace) -> Summary | None:
+async def _probe(session: aiohttp.ClientSession, router: str) -> RouterInfo:
+    """The router's `probe`, or `RouterUnusableError` saying why it cannot be used."""
+    fix = "start it (evolving-infra cluster up) or give its address with --router"
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            return await probe(session, router)
+    except TimeoutError:
+        raise RouterUnusableError(
+            f"{router}: no answer from the router within {PROBE_TIMEOUT_S:g} s", fix
+        ) from None
+    except aiohttp.ClientConnectorError as e:
+        reason = (e.strerror or str(e)).lower()
+        raise RouterUnusableError(f"{router}: cannot connect ({reason})", fix) from None
+    except (aiohttp.ClientError, ValueError, AttributeError) as e:
+        said = e.message if isinstance(e, aiohttp.ClientResponseError) else str(e)
+        reason = one_line(said)[:200].rstrip(":") or type(e).__name__
+        raise RouterUnusableError(
+            f"{router}: not an evolving-infra router ({reason})", "check --router"
+        ) from None
+
+
+async def _run(trace: Trace, router: str, args: argparse.Namespace) -> Summary:
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     # limit=0: the replay's own cap holds requests back, a second cap in the pool would only
     # add unmeasured queueing.
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        info = await probe(session, router)
+        info = await _probe(session, router)
         if info.page_size is not None and info.page_size != args.page_size:
-            print(
-                f"evolving-infra replay: error: --page-size {args.page_size} is not the router's"
-                f" page size {info.page_size}",
-                file=sys.stderr,
+            raise RouterUnusableError(
+                f"--page-size {args.page_size} is not the router's page size {info.page_size}",
+                f"run with --page-size {info.page_size}",
             )
-            return None
         if not info.healthy:
-            print(f"evolving-infra replay: error: {router}/health is not ok", file=sys.stderr)
-            return None
+            raise RouterUnusableError(
+                f"{router}/health is not ok", "wait until its engines are up, then run again"
+            )
         settings = ReplaySettings(
             router=router,
             model=args.model or (info.models[0] if info.models else DEFAULT_MODEL),

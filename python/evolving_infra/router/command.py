@@ -1,4 +1,8 @@
-"""`evolving-infra router`: the router daemon in the foreground (see `daemon.py`)."""
+"""`evolving-infra router`: the router daemon in the foreground (see `daemon.py`).
+
+A port taken, a tokenizer that cannot be read and engines that cannot be used are errors of one
+line, status 2, found before the daemon serves (the port before anything else).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,14 @@ import argparse
 import asyncio
 import contextlib
 import signal
-import sys
 
 import structlog
 
 from evolving_infra import malloc
+from evolving_infra.ports import check_listen, listen_error
 from evolving_infra.router import config
 from evolving_infra.router.app import configure_json_logging
-from evolving_infra.router.daemon import RouterDaemon, RouterStartError
+from evolving_infra.router.daemon import RouterDaemon
 from evolving_infra.soak import memtrace
 
 NAME = "router"
@@ -30,10 +34,12 @@ async def serve(cfg: config.RouterConfig) -> int:
     memtrace.watch(daemon.memory_stats)
     try:
         await daemon.start()
-    except (RouterStartError, OSError) as e:
+    except OSError as e:  # the port, taken since `run` checked it (cli.main reports the rest)
         await daemon.stop()
-        print(f"evolving-infra router: error: {e}", file=sys.stderr)
-        return 2
+        raise listen_error(e, cfg.host, cfg.port, "--port") from None
+    except BaseException:
+        await daemon.stop()
+        raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
@@ -50,6 +56,12 @@ def _counts(daemon: RouterDaemon) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config.RouterConfig.from_args(args)
+    if len(cfg.engines) < 2:  # the planner splits them into prefill and decode
+        raise config.RouterConfigError(
+            "engines: the router needs at least two, a prefill and a decode engine; got one:"
+            " give another with --engines"
+        )
+    check_listen(cfg.host, cfg.port, "--port")
     configure_json_logging(cfg.log_level)
     malloc.tune()
     memtrace.install("router")  # opt-in: EVOLVING_INFRA_MEMTRACE

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evolving_infra.argtypes import positive_int, positive_seconds, secret
+from evolving_infra.argtypes import port, positive_int, positive_seconds, secret
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.logs import Level
 from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
@@ -57,23 +57,16 @@ class EngineSpec:
 
 def engine_spec(text: str) -> EngineSpec:
     """`HOST:PORT` of an engine's control service."""
-    host, sep, port = text.rpartition(":")
+    host, sep, number = text.rpartition(":")
     if not sep or not host or "/" in text:
         raise argparse.ArgumentTypeError(
             f"engine must be the HOST:PORT of its control service, got {text!r}"
         )
     try:
-        _port(port)
-    except (ValueError, argparse.ArgumentTypeError):
+        port(number)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"bad port in engine {text!r}") from None
     return EngineSpec(text)
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
     parser.add_argument(
-        "--port", type=_port, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
+        "--port",
+        type=port,
+        default=DEFAULT_PORT,
+        help=f"port (0: any free port; default: {DEFAULT_PORT})",
     )
     parser.add_argument(
         "--api-key",

@@ -35,6 +35,7 @@ from aiohttp import web
 from evolving_infra._core import KvDirectory
 from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
 from evolving_infra.control.errors import EngineTimeoutError, EngineUnavailableError
+from evolving_infra.errors import CommandError
 from evolving_infra.router.app import build_app, serve
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
@@ -85,9 +86,9 @@ class SampleThinning:
         return True
 
 
-class RouterStartError(RuntimeError):
+class RouterStartError(CommandError):
     """The daemon cannot start: an engine is unreachable or the engines disagree with the
-    configuration (the message names the engine and the field)."""
+    configuration (the message names the engine and the field, `fix` what to do)."""
 
 
 @dataclass(slots=True)
@@ -141,11 +142,13 @@ async def discover(
     nodes = [e.info.node_id for e in engines]
     if len(set(nodes)) != len(nodes):
         problems.append(f"node ids must be distinct, got {sorted(nodes)}")
+    fix = "check --engines (each engine's --grpc-port) and --page-size"
     if not engines and not problems:
         problems = unreachable
+        fix = "start the engines first (evolving-infra engine), or check --engines"
     if problems:
         await asyncio.gather(*(c.close() for c in clients))
-        raise RouterStartError("engines: " + "; ".join(problems))
+        raise RouterStartError("engines: " + "; ".join(problems), fix)
     for reason in unreachable:
         log.warning("engine_unreachable_at_start", reason=reason, retry_every_s=HEALTH_INTERVAL_S)
     return engines, pending
@@ -192,6 +195,8 @@ class RouterDaemon:
 
     async def start(self) -> None:
         cfg = self.config
+        # A tokenizer file that cannot be loaded is the user's error: found before the engines.
+        tokenizer = None if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer)
         found, self._pending = await discover(
             [e.address for e in cfg.engines], cfg.page_size, cfg.control_api_key
         )
@@ -242,7 +247,7 @@ class RouterDaemon:
         app = build_app(
             self.dispatcher,
             self.tracker,
-            load_tokenizer(cfg.tokenizer),
+            tokenizer or load_tokenizer(None),
             self.metrics,
             page_size=cfg.page_size,
             models=cfg.models,

@@ -7,7 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from evolving_infra.argtypes import natural_int, positive_int, positive_seconds
+from evolving_infra.argtypes import (
+    check_output_folder,
+    natural_int,
+    positive_int,
+    positive_seconds,
+)
 from evolving_infra.sim.config import DECODE_ALLOCATIONS, SimConfig
 from evolving_infra.sim.plots import timelines
 from evolving_infra.sim.run import BEST_STATIC, compare, main_table
@@ -112,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise WorkloadError(str(e)) from None
+    check_output_folder(args.out, "--out")  # before the runs, not after them
     trace = load_trace(args)
     try:
         results = compare(trace, config, names, progress=not args.no_progress, jobs=args.jobs)

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from evolving_infra.argtypes import natural_int, positive_int
+from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
 from evolving_infra.sim.run import main_table
 from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, run_scenario
 from evolving_infra.workloads.errors import WorkloadError
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         _list()
         return 0
     size = Size(quick=args.quick, seed=args.seed)
+    check_output_folder(args.out, "--out")  # before the runs, not after them
     path = run_to(args.name, size, args.out, progress=not args.no_progress, jobs=args.jobs)
     print(path.read_text(encoding="utf-8"), end="")
     print(f"wrote {path.parent}/results.json and report.md", file=sys.stderr)

@@ -34,14 +34,23 @@ import aiohttp
 import structlog
 from rich.console import Console
 
-from evolving_infra.argtypes import natural_int, positive_float, positive_int, positive_seconds
+from evolving_infra.argtypes import (
+    int_at_least,
+    natural_int,
+    positive_float,
+    positive_int,
+    positive_seconds,
+)
 from evolving_infra.cluster import command as cluster_command
 from evolving_infra.cluster.command import Cluster, ClusterError
+from evolving_infra.errors import CommandError
 from evolving_infra.replay.command import DEFAULT_MODEL, draw
 from evolving_infra.replay.runner import Replayer, ReplaySettings
 from evolving_infra.soak import probes
 from evolving_infra.soak.report import SoakReport, render
 from evolving_infra.timing.specs import GPUS
+from evolving_infra.workloads.claude_code import bundled_trace_dir
+from evolving_infra.workloads.model import Trace
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +66,7 @@ example (what `make soak` runs):
 """
 )
 
-DEFAULT_TRACES = Path("data/traces/claude-code")
+DEFAULT_TRACES = bundled_trace_dir()
 MEMORY_EVERY_S = 5.0
 
 
@@ -72,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="which engine --kill-engine-at kills (default: the last, a decode engine)")  # fmt: skip
     a("--restart-router-at", type=positive_seconds, default=None, metavar="S",
       help="stop the router S seconds into the load, start it again (default: never)")  # fmt: skip
-    a("--engines", type=positive_int, default=4, help="simulated engines (default: 4)")
+    a("--engines", type=int_at_least(2), default=4,
+      help="simulated engines, at least 2 (default: 4)")  # fmt: skip
     a("--prefill", type=natural_int, default=None,
       help="engines starting as prefill (default: half, rounded up)")  # fmt: skip
     a("--time-scale", type=positive_float, default=1.0,
@@ -85,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="each engine's host KV capacity in pages (default: the engine's, 1 TiB per 8 GPUs;"
            " a smaller one fills, and so shows memory level off, within a soak)")  # fmt: skip
     a("--traces", type=Path, nargs="+", default=[DEFAULT_TRACES], metavar="TRACE",
-      help=f"traces the agents are drawn from (default: the bundled {DEFAULT_TRACES})")  # fmt: skip
+      help="traces the agents are drawn from (default: the bundled"
+           " data/traces/claude-code)")  # fmt: skip
     a("--speed", type=positive_float, default=10.0,
       help="divide every trace wait by X, think time compressed (default: 10)")  # fmt: skip
     a("--request-timeout", type=positive_seconds, default=120.0,
@@ -96,8 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--json", action="store_true", help="print the report as one JSON object on stdout")
 
 
-class SoakError(RuntimeError):
-    """A process died that no fault killed; the message names it and shows its log."""
+class SoakError(CommandError):
+    """The cluster could not start, or a process died that no fault killed (status 2, as the
+    docstring says); the first line names it and its log, `details` may hold the log's end."""
 
 
 @dataclass
@@ -151,19 +163,20 @@ def _free_port() -> int:
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     if args.kill_engine is not None and args.kill_engine >= args.engines:
-        print(f"evolving-infra soak: error: --kill-engine {args.kill_engine} is not one of the"
-              f" {args.engines} engines", file=sys.stderr)  # fmt: skip
-        return 2
+        raise CommandError(
+            f"--kill-engine {args.kill_engine} is not one of the {args.engines} engines",
+            f"give 0..{args.engines - 1}",
+        )
+    # The traces first: a bad one is found before a cluster starts.
+    trace = draw(list(args.traces), args.agents, args.duration, args.seed, args.speed)
     try:
         cluster = cluster_command.up(_cluster_args(args), console)
     except ClusterError as e:
-        print(f"evolving-infra soak: error: {e}", file=sys.stderr)
-        return 2
+        raise SoakError(e.what, details=e.details) from None
     try:
-        report = asyncio.run(_soak(_Run(cluster, args), console))
-    except (SoakError, ClusterError) as e:
-        print(f"evolving-infra soak: error: {e}", file=sys.stderr)
-        return 2
+        report = asyncio.run(_soak(_Run(cluster, args), trace, console))
+    except ClusterError as e:
+        raise SoakError(e.what, details=e.details) from None
     finally:
         cluster.stop()
     if args.json:
@@ -173,9 +186,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-async def _soak(r: _Run, console: Console) -> SoakReport:
+async def _soak(r: _Run, trace: Trace, console: Console) -> SoakReport:
     args, cluster = r.args, r.cluster
-    trace = draw(list(args.traces), args.agents, args.duration, args.seed, args.speed)
     settings = ReplaySettings(
         router=cluster.router_url,
         model=DEFAULT_MODEL,
@@ -242,7 +254,7 @@ async def _monitor(r: _Run) -> None:
         try:
             r.cluster.check()
         except ClusterError as e:
-            raise SoakError(str(e)) from None
+            raise SoakError(e.what, details=e.details) from None
         if r.now() >= next_sample:
             r.sample()
             next_sample += MEMORY_EVERY_S

@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from evolving_infra.argtypes import positive_int
+from evolving_infra.argtypes import check_output_file, positive_int
 from evolving_infra.timing import baselines, evaluation
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.samples import Sample, read_csv
@@ -60,6 +60,8 @@ def models() -> dict[str, Callable[[], evaluation.Predictor]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        check_output_file(args.plot, "--plot")  # before the evaluation, not after it
     if args.data is not None:
         fit, test = evaluation.split(read_csv(args.data))
         source = str(args.data)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from evolving_infra.argtypes import positive_int, positive_seconds
+from evolving_infra.argtypes import check_output_file, positive_int, positive_seconds
 from evolving_infra.workloads import generators, jsonl, stats
 from evolving_infra.workloads.claude_code import find_trace_files, load_conversation
 from evolving_infra.workloads.errors import TraceFormatError
@@ -209,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
         "gen": _gen,
         "sample": _sample,
     }
+    output = getattr(args, "output", None)
+    if output is not None:  # before the import or generation, not after it
+        check_output_file(output, "--output")
     return handlers[args.trace_action](args)
 
 

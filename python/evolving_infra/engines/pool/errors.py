@@ -6,6 +6,10 @@ worker hands the code through, and `error_for_code` maps it here, in one place.
 
 from __future__ import annotations
 
+import re
+
+from evolving_infra.errors import CommandError
+
 # Mooncake `ErrorCode` values this package reacts to (types.h in 0.3.13).
 NO_AVAILABLE_HANDLE = -200  # allocation failed: no segment has room
 OBJECT_NOT_FOUND = -704
@@ -14,22 +18,43 @@ OBJECT_HAS_LEASE = -706  # a reader holds the object's lease; a non-forced remov
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 
-INSTALL_HINT = (
-    "apt-get install -y libibverbs1 libnuma1 libcurl4 && "
-    "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1"
-)
+# What the pool needs: the wheel (the `pool` extra), and the system libraries it links against.
+PIP_HINT = "pip install 'evolving-infra[pool]'"
+DEBIAN_PACKAGES = "libibverbs1 libnuma1 libcurl4"
+APT_HINT = f"apt-get install -y {DEBIAN_PACKAGES}"
+INSTALL_HINT = f"{APT_HINT} && {PIP_HINT}"
+
+PACKAGE_NOT_FOUND = "Python package `mooncake` not found"
+_LIBRARY = re.compile(r"([\w+.-]+\.so(?:\.\d+)*): cannot open shared object file")
 
 
 class PoolError(RuntimeError):
     """Base class of every error the L2 pool raises."""
 
 
-class MooncakeMissingError(PoolError):
-    """The Mooncake wheel or one of the system libraries it links against is not installed."""
+class MooncakeMissingError(PoolError, CommandError):
+    """The Mooncake wheel or one of the system libraries it links against is not installed.
+
+    `library` is the missing shared library (`libibverbs.so.1`), None when the Python package
+    itself is missing; the message says which and what installs it. A caller that can do without
+    the pool adds its way around: `raise e.otherwise("run with --no-pool")`.
+    """
 
     def __init__(self, detail: str) -> None:
         self.detail = detail
-        super().__init__(f"Mooncake is not usable here ({detail}); install it with: {INSTALL_HINT}")
+        found = _LIBRARY.search(detail)  # the loader's and ImportError's wording
+        self.library = found.group(1) if found else None
+        if self.library is None:
+            missing = detail.startswith(PACKAGE_NOT_FOUND) or "No module named" in detail
+            what = "the shared L2 pool needs Mooncake" + ("" if missing else f" ({detail})")
+            CommandError.__init__(self, what, PIP_HINT)
+        else:
+            CommandError.__init__(
+                self,
+                f"the shared L2 pool needs Mooncake, which needs the system library"
+                f" {self.library} (Debian packages {DEBIAN_PACKAGES})",
+                APT_HINT,
+            )
 
 
 class MasterStartError(PoolError):

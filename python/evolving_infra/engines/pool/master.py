@@ -25,7 +25,11 @@ from types import TracebackType
 
 import structlog
 
-from evolving_infra.engines.pool.errors import MasterStartError, MooncakeMissingError
+from evolving_infra.engines.pool.errors import (
+    PACKAGE_NOT_FOUND,
+    MasterStartError,
+    MooncakeMissingError,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +44,7 @@ def mooncake_binary(name: str) -> Path:
     """
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
-        raise MooncakeMissingError("Python package `mooncake` not found")
+        raise MooncakeMissingError(PACKAGE_NOT_FOUND)
     for folder in spec.submodule_search_locations:
         path = Path(folder) / name
         if path.is_file() and os.access(path, os.X_OK):

@@ -6,6 +6,8 @@ switch, bootstrap port, KV events, forward-pass metrics, page size, priority evi
 on the Mooncake pool) and `--host/--port`; waits for SGLang's `/health`; then serves
 EngineControl for it (`sidecar.SglangSidecar`) until Ctrl-C/SIGTERM, which stops SGLang's whole
 process group. If SGLang exits by itself, the command exits with 1 and SGLang's last lines.
+SGLang not installed (or another version) and a port given that is taken are found before
+anything starts: one line, status 2 (`require_sglang`, `check_ports`).
 
 The `engine` subcommand's parser lives in `engines/sim/command.py`; this module adds the
 options only this backend takes (`add_arguments`) and runs it (`run`).
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
+import importlib.util
 import math
 import os
 import signal
@@ -36,6 +40,8 @@ from evolving_infra.engines.sglang.launcher import SERVER_COMMAND, SglangProcess
 from evolving_infra.engines.sglang.server_info import WILDCARD_HOSTS, bracket
 from evolving_infra.engines.sglang.sidecar import SglangSidecar, SidecarConfig
 from evolving_infra.engines.sglang.streams import HINTS_ENDPOINT_ENV
+from evolving_infra.errors import CommandError
+from evolving_infra.ports import check_listen
 
 log = structlog.get_logger("evolving_infra.engines.sglang")
 
@@ -58,22 +64,68 @@ class UsageError(ValueError):
     """SGLang flags that clash with the ones evolving-infra sets; the message names them."""
 
 
+class SglangMissingError(CommandError):
+    """SGLang is not installed, or not the version the backend's patch is written for."""
+
+
+def require_sglang() -> None:
+    """Raises `SglangMissingError` unless SGLang `SGLANG_VERSION` is installed: checked here,
+    before the child that imports it starts (the parent never imports SGLang)."""
+    from evolving_infra.engines.sglang.patch import SGLANG_VERSION
+
+    install = (
+        f"pip install 'evolving-infra[sglang]' && pip install --no-deps sglang=={SGLANG_VERSION}"
+        f" (on a GPU node: pip install sglang=={SGLANG_VERSION})"
+    )
+    try:
+        found = importlib.metadata.version("sglang") if importlib.util.find_spec("sglang") else None
+    except importlib.metadata.PackageNotFoundError:
+        found = None
+    if found is None:
+        raise SglangMissingError(f"--backend sglang needs SGLang {SGLANG_VERSION}", install)
+    if found != SGLANG_VERSION:
+        raise SglangMissingError(
+            f"--backend sglang needs SGLang {SGLANG_VERSION}, not the {found} installed",
+            f"pip install sglang=={SGLANG_VERSION}",
+        )
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """Every port this node listens on that was given (and SGLang's bootstrap port, which always
+    is) must be free before SGLang starts: SGLang would find out only after loading the model."""
+    host = "" if _wildcard(args.host) else args.host
+    check_listen(host, args.port, "--port")
+    check_listen(host, args.grpc_port, "--grpc-port")
+    check_listen(host, args.bootstrap_port or DEFAULT_BOOTSTRAP_PORT, "--bootstrap-port")
+    for flag in ("--kv-events-port", "--kv-replay-port", "--samples-port"):
+        number = getattr(args, flag[2:].replace("-", "_"))
+        if number:
+            check_listen(host, number, flag)
+
+
 def _port(text: str) -> int:
-    value = int(text)
+    value = int(text) if text.strip().lstrip("+-").isdigit() else -1
     if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {text!r}")
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan  # rejected by the range checks below
+
+
 def _seconds(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
     return value
 
 
 def _gigabytes(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a number of GB >= 0, got {text}")
     return value
@@ -184,6 +236,7 @@ def _fail(message: str, code: int = 2) -> int:
 async def _serve(
     args: argparse.Namespace, tmp: Path, server_command: Sequence[str], stop: asyncio.Event
 ) -> int:
+    check_ports(args)
     host = args.host
     local = "127.0.0.1" if _wildcard(host) else host
     advertise = args.advertise_host or (socket.getfqdn() if _wildcard(host) else host)
@@ -267,4 +320,5 @@ async def _until(work: Coroutine[Any, Any, object], stop: asyncio.Event) -> bool
 
 def run(args: argparse.Namespace) -> int:
     """The command (logging is configured by the `engine` command that dispatches here)."""
+    require_sglang()
     return asyncio.run(serve(args))

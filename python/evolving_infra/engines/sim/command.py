@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import sys
 from dataclasses import replace
 from typing import Any
 
@@ -22,11 +21,24 @@ import zmq
 from aiohttp import web
 
 from evolving_infra import logs, malloc
-from evolving_infra.argtypes import natural_int, positive_float, positive_int, secret
+from evolving_infra.argtypes import (
+    natural_int,
+    natural_seconds,
+    port,
+    positive_float,
+    positive_int,
+    secret,
+)
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.control.server import serve as serve_control
 from evolving_infra.engines.events import DEFAULT_REPLAY_BYTES, KvEventPublisher
-from evolving_infra.engines.pool import DEFAULT_SCALE, MasterAddress, PoolError
+from evolving_infra.engines.pool import (
+    DEFAULT_SCALE,
+    MasterAddress,
+    MooncakeMissingError,
+    PoolError,
+    PoolUnavailableError,
+)
 from evolving_infra.engines.samples import ForwardPassMetricsPublisher
 from evolving_infra.engines.sglang import command as sglang_command
 from evolving_infra.engines.sim.core import EngineSettings
@@ -34,6 +46,8 @@ from evolving_infra.engines.sim.http import build_app
 from evolving_infra.engines.sim.pool import parse_master, pool_config
 from evolving_infra.engines.sim.publish import ZmqKvSink
 from evolving_infra.engines.sim.service import SimEngine
+from evolving_infra.errors import CommandError
+from evolving_infra.ports import check_listen, listen_error
 from evolving_infra.soak import memtrace
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
@@ -101,21 +115,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--backend", choices=["sim", "sglang"], default="sim",
       help="sim: the simulated engine; sglang: SGLang 0.5.23 and its sidecar"
       " (default: sim)")  # fmt: skip
-    a("--node-id", type=int, default=0, help="this node's id in the cluster (default: 0)")
+    a("--node-id", type=natural_int, default=0,
+      help="this node's id in the cluster (default: 0)")  # fmt: skip
     a("--phase", choices=["prefill", "decode"], default="prefill", help="initial phase")
     a("--host", default="127.0.0.1", help="HTTP address to listen on (default: 127.0.0.1)")
-    a("--port", type=int, default=30000, help="HTTP port (0: any free port; default: 30000)")
-    a("--grpc-port", type=natural_int, default=0,
+    a("--port", type=port, default=30000, help="HTTP port (0: any free port; default: 30000)")
+    a("--grpc-port", type=port, default=0,
       help="EngineControl gRPC port, what the router's --engines names (0: any free port,"
       " logged at start; default: 0)")  # fmt: skip
     a("--control-api-key", metavar="KEY",
       help="require this key on every EngineControl call (the router's --control-api-key);"
       f" also from {CONTROL_API_KEY_ENV} (default: none)")  # fmt: skip
-    a("--kv-events-port", type=natural_int, default=0,
+    a("--kv-events-port", type=port, default=0,
       help="ZMQ port of the KV events, in SGLang's wire format (0: any free port)")  # fmt: skip
-    a("--kv-replay-port", type=natural_int, default=0,
+    a("--kv-replay-port", type=port, default=0,
       help="ZMQ port of the KV-event replay service (0: any free port; default: 0)")  # fmt: skip
-    a("--samples-port", type=natural_int, default=0,
+    a("--samples-port", type=port, default=0,
       help="ZMQ port of the forward-pass metrics (sglang: a relay of SGLang's; 0: any free"
       " port; default: 0)")  # fmt: skip
     a("--page-size", type=positive_int, default=16, help="tokens per KV page (default: 16)")
@@ -139,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="host KV capacity in pages (default: 1 TiB per 8 GPUs, pro rata; 0: none)")  # fmt: skip
     s("--kv-bandwidth", type=positive_float, default=None,
       help="P->D KV transfer bytes/s (default: 25 GB/s per GPU x tp)")  # fmt: skip
-    s("--switch-seconds", type=float, default=None,
+    s("--switch-seconds", type=natural_seconds, default=None,
       help="simulated seconds of an in-place phase switch once drained (default: 6.2)")  # fmt: skip
     s("--chunk-tokens", type=positive_int, default=None,
       help=f"chunked prefill budget (default: {d['chunk_tokens']})")  # fmt: skip
@@ -162,6 +177,28 @@ def master_address(text: str) -> MasterAddress:
         return parse_master(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_ports(args: argparse.Namespace, zmq_host: str) -> None:
+    """Every port given (not 0) must be free, before anything binds (`ports.check_listen`)."""
+    check_listen(args.host, args.port, "--port")
+    check_listen(args.host, args.grpc_port, "--grpc-port")
+    for flag in ("--kv-events-port", "--kv-replay-port", "--samples-port"):
+        number = getattr(args, flag[2:].replace("-", "_"))
+        if number:
+            check_listen(zmq_host, number, flag)
+
+
+def check_deployment(settings: EngineSettings) -> None:
+    """Raises `CommandError` when the deployment cannot run (the weights fill the GPUs)."""
+    try:
+        settings.config()
+    except ValueError as e:
+        d = settings.deployment
+        raise CommandError(
+            f"{e} ({d.model.name} on {d.tp} x {d.gpu.name})",
+            "give more GPUs per engine with --tp, a smaller --model or another --gpu",
+        ) from None
 
 
 def misplaced_options(args: argparse.Namespace) -> list[str]:
@@ -205,6 +242,8 @@ async def serve(args: argparse.Namespace) -> int:
     # KV events and pass metrics on ZMQ, as SGLang publishes them (ports 0: any free port; the
     # bound endpoints are what GetInfo reports).
     zmq_host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else host
+    check_deployment(settings_from(args))
+    check_ports(args, zmq_host)
     try:
         kv_pub = KvEventPublisher(
             f"tcp://{zmq_host}:{args.kv_events_port or '*'}",
@@ -214,8 +253,10 @@ async def serve(args: argparse.Namespace) -> int:
         )
         fpm = ForwardPassMetricsPublisher(f"tcp://{zmq_host}:{args.samples_port or '*'}")
     except zmq.ZMQError as e:
-        print(f"evolving-infra engine: error: cannot bind ZMQ endpoints: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(
+            f"cannot bind the KV event and sample streams on {zmq_host}: {e}",
+            "check --host and --kv-events-port, --kv-replay-port, --samples-port",
+        ) from None
     settings = replace(
         settings_from(args, f"http://{host}:{args.port}"),
         kv_events_endpoint=kv_pub.endpoint,
@@ -234,25 +275,29 @@ async def serve(args: argparse.Namespace) -> int:
         await engine.close()
         kv_pub.close()
         fpm.close()
-        print(f"evolving-infra engine: error: cannot join the pool: {e}", file=sys.stderr)
-        return 2
+        raise _pool_error(e, args.pool_master) from None
     runner = web.AppRunner(build_app(engine), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     grpc_server = None
     grpc_port = None
     try:
-        await site.start()
-        grpc_server, grpc_port = await serve_control(
-            engine, args.host, args.grpc_port, secret(args.control_api_key, CONTROL_API_KEY_ENV)
-        )
-    except OSError as e:
+        try:
+            await site.start()
+        except OSError as e:  # taken since `check_ports` (a cluster's engines race for them)
+            raise listen_error(e, args.host, args.port, "--port") from None
+        try:
+            grpc_server, grpc_port = await serve_control(
+                engine, args.host, args.grpc_port, secret(args.control_api_key, CONTROL_API_KEY_ENV)
+            )
+        except OSError as e:
+            raise listen_error(e, args.host, args.grpc_port, "--grpc-port") from None
+    except CommandError:
         await runner.cleanup()
         await engine.close()
         kv_pub.close()
         fpm.close()
-        print(f"evolving-infra engine: error: cannot listen: {e}", file=sys.stderr)
-        return 2
+        raise
     port = runner.addresses[0][1] if runner.addresses else args.port
     engine.settings = replace(engine.settings, http_url=f"http://{host}:{port}")
     log.info("engine_serving", node=args.node_id, phase=args.phase, host=args.host, port=port,
@@ -274,6 +319,17 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool_error(e: PoolError, master: MasterAddress) -> CommandError:
+    """The error line of a pool that cannot be joined at start (`--pool-master`)."""
+    if isinstance(e, MooncakeMissingError):
+        return e.otherwise("run without --pool-master")
+    reason = e.reason if isinstance(e, PoolUnavailableError) else str(e)
+    return CommandError(
+        f"cannot join the pool at {master.rpc}: {reason}",
+        "start its mooncake_master first, or check --pool-master",
+    )
+
+
 def replay_bytes(args: argparse.Namespace) -> int:
     mib = args.kv_replay_mib if args.kv_replay_mib is not None else SIM_DEFAULTS["kv_replay_mib"]
     return max(1, int(mib * 2**20))
@@ -288,12 +344,11 @@ def run(args: argparse.Namespace) -> int:
     misplaced = misplaced_options(args)
     if misplaced:
         other = "sglang" if args.backend == "sim" else "sim"
-        print(
-            f"evolving-infra engine: error: {', '.join(misplaced)}: only --backend {other} takes"
+        raise CommandError(
+            f"{', '.join(misplaced)}: only --backend {other} takes"
             f" {'it' if len(misplaced) == 1 else 'them'} (this is --backend {args.backend})",
-            file=sys.stderr,
+            "leave out the options of the other backend",
         )
-        return 2
     logs.configure(json=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.backend == "sglang":
