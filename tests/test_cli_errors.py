@@ -136,7 +136,7 @@ def test_the_sglang_backend_without_sglang_is_one_line(tmp_path: Path) -> None:
     line = error_line(out.stderr, "engine")
     assert "--backend sglang needs SGLang 0.5.23" in line
     assert "pip install 'evolving-infra[sglang]'" in line
-    assert "on a GPU node: pip install sglang==0.5.23" in line
+    assert "on a GPU node: pip install 'evolving-infra[sglang-gpu]'" in line
 
 
 def test_the_sglang_backend_with_another_sglang_version_is_one_line(

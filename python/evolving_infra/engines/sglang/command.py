@@ -75,7 +75,7 @@ def require_sglang() -> None:
 
     install = (
         f"pip install 'evolving-infra[sglang]' && pip install --no-deps sglang=={SGLANG_VERSION}"
-        f" (on a GPU node: pip install sglang=={SGLANG_VERSION})"
+        " (on a GPU node: pip install 'evolving-infra[sglang-gpu]')"
     )
     try:
         found = importlib.metadata.version("sglang") if importlib.util.find_spec("sglang") else None
