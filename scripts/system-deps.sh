@@ -79,11 +79,14 @@ need=$(missing)
 
 if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
     echo "make $target: installing the Debian packages $need" >&2
+    log=$(mktemp)
     # shellcheck disable=SC2086 # $need is a list of package names
     if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends $need; } >/dev/null; then
-        fail "could not install $need with apt-get (see its output: apt-get install -y $need)"
+        --no-install-recommends $need; } >"$log" 2>&1; then
+        tail -n 5 "$log" >&2
+        fail "could not install $need with apt-get (its last lines above)"
     fi
+    rm -f "$log"
     still=$(missing)
     [[ -z $still ]] || fail "installed $need, but still missing: $still"
     exit 0
