@@ -227,7 +227,7 @@ def test_sglang_backend_on_a_taken_port_is_one_line_before_sglang_starts(
     assert f"port {taken_port} is taken: choose another with --port" in line
 
 
-# -- bad values: argparse's usage and one error line ------------------------------------------
+# -- bad values: argparse's errors, on one line too --------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,7 @@ def test_sglang_backend_on_a_taken_port_is_one_line_before_sglang_starts(
         (["soak", "--duration", "abc"], "argument --duration: expected a number of seconds > 0"),
     ],
 )  # fmt: skip
-def test_bad_flag_values_are_argparse_usage_and_one_error_line(
+def test_bad_flag_values_are_one_error_line(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -256,11 +256,32 @@ def test_bad_flag_values_are_argparse_usage_and_one_error_line(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.startswith("usage: evolving-infra ")
-    last = err.splitlines()[-1]
-    assert last.startswith(f"evolving-infra {argv[0]}"), err
-    assert ": error: argument --" in last, err
-    assert message in last, err
+    assert "usage:" not in err
+    (line,) = err.splitlines()
+    assert line.startswith(f"evolving-infra {argv[0]}: error: argument --"), err
+    assert message in line, err
+    assert line.endswith(f"(see evolving-infra {argv[0]} --help)"), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["sim", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["no-such-command"], "argument COMMAND: invalid choice: 'no-such-command'"),
+        (["cluster"], "the following arguments are required: action"),
+        (["trace", "stats"], "the following arguments are required"),
+    ],
+)
+def test_unknown_flags_and_commands_are_one_error_line(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("evolving-infra"), line
+    assert ": error: " in line
+    assert words in line
 
 
 # -- files and config files --------------------------------------------------------------------

@@ -17,7 +17,7 @@ import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from evolving_infra import demo, errors, logs
 from evolving_infra.cluster import command as cluster_command
@@ -77,13 +77,23 @@ USER_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like every other error of the CLI: a bad flag value
+    is `evolving-infra CMD: error: argument --flag: WHY (see evolving-infra CMD --help)`, exit
+    status 2; argparse itself prints the whole usage first, up to a dozen lines for `sim`.
+    Subcommands' parsers (`add_subparsers`) are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {errors.one_line(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="evolving-infra",
         description="Agent-adaptive control plane for prefill/decode disaggregated LLM serving.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    parsers = {}
+    parsers: dict[str, argparse.ArgumentParser] = {}
     for command in COMMANDS:
         p = sub.add_parser(
             command.NAME,
