@@ -87,3 +87,27 @@ def test_bad_arguments_are_workload_errors(
     args.out = tmp_path
     with pytest.raises(WorkloadError, match=message):
         command.run(args)
+
+
+@pytest.mark.parametrize("restart_s", [30.0, 180.0])
+def test_restart_s_is_how_long_a_dynamo_switch_keeps_a_node_down(
+    tmp_path: Path, restart_s: float
+) -> None:
+    out = tmp_path / "o"
+    args = parse(
+        *("--workload", "osworld", "--gpus", "12", "--agents", "3", "--duration", "600"),
+        *("--policies", "dynamo", "--restart-s", str(restart_s), "--out", str(out)),
+        "--no-progress",
+    )
+    assert command.run(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["switch_restart_s"] == restart_s
+    dynamo = results["policies"]["dynamo"]
+    assert dynamo["switches"] >= 1  # the run is sized so that it switches: the test needs one
+    assert dynamo["switch_down_s"] == pytest.approx(restart_s * dynamo["switches"], rel=1e-6)
+
+
+def test_restart_s_defaults_to_the_papers_figure() -> None:
+    assert parse().restart_s == 700.0
+    with pytest.raises(SystemExit):
+        parse("--restart-s", "0")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from evolving_infra.planner.static import parse_split
+from evolving_infra.sim.config import SWITCH_IN_PLACE_S, SWITCH_RESTART_S
 
 Outcome = Literal["yes", "partly", "no", "n/a"]
 Runs = Mapping[str, Any]  # run label -> `compare`'s results
@@ -33,8 +34,6 @@ PARTLY_TOLERANCE = 0.10
 LOST_REUSE_NEAR_ZERO = 0.05  # "near 0"
 # "Large" for LRU/Dynamo: at least this much lost reuse, and at least twice evolving's.
 LOST_REUSE_LARGE = 0.05
-SWITCH_IN_PLACE_S = 6.2
-SWITCH_RESTART_S = 700.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from evolving_infra.argtypes import (
     positive_int,
     positive_seconds,
 )
-from evolving_infra.sim.config import DECODE_ALLOCATIONS, SimConfig
+from evolving_infra.sim.config import DECODE_ALLOCATIONS, SWITCH_RESTART_S, SimConfig
 from evolving_infra.sim.plots import timelines
 from evolving_infra.sim.run import BEST_STATIC, compare, main_table
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
@@ -83,6 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the prefill, which keeps the KV pinned on the prefill node meanwhile) (default: early)",
     )
     parser.add_argument(
+        "--restart-s",
+        type=positive_seconds,
+        default=SWITCH_RESTART_S,
+        help="seconds a node is down when a policy that restarts to switch (dynamo) moves it to "
+        "the other phase: the paper's figure, and the high end; Dynamo's own docs give ~60 s "
+        "for a cold start and ~10 s for a restore from a snapshot (docs/baselines.md, §5) "
+        "(default: %(default).0f)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="output folder (default: sim-results)"
     )
     parser.add_argument(
@@ -114,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             duration=args.duration,
             decode_allocation=args.decode_allocation,
+            switch_restart_s=args.restart_s,
         )
     except ValueError as e:
         raise WorkloadError(str(e)) from None

@@ -31,6 +31,13 @@ DecodeAllocation = Literal["prefill_complete", "early"]
 DECODE_ALLOCATIONS: tuple[DecodeAllocation, ...] = ("prefill_complete", "early")
 
 
+# The paper's figures for a phase switch: 6.2 s in place, ~700 s for Dynamo's restart. The
+# restart is the high end: Dynamo's docs give ~60 s for a cold start and ~10 s for a restore from
+# a snapshot (docs/baselines.md, §5); `sim --restart-s` sets it.
+SWITCH_IN_PLACE_S = 6.2
+SWITCH_RESTART_S = 700.0
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """One simulated cluster; `nodes = gpus / tp`."""
@@ -52,8 +59,8 @@ class SimConfig:
     mem_fraction: float = MEM_FRACTION
     activation_reserve_per_gpu: float = ACTIVATION_RESERVE_PER_GPU
     # Phase switches (docs/simulator.md): in place 6.2 s, a restart 700 s.
-    switch_in_place_s: float = 6.2
-    switch_restart_s: float = 700.0
+    switch_in_place_s: float = SWITCH_IN_PLACE_S
+    switch_restart_s: float = SWITCH_RESTART_S
     # When a decode node reserves a request's KV (SGLang's `--disaggregation-decode-allocation-
     # policy`): "prefill_complete" once the prefill is done, which keeps the prompt's KV pinned
     # on the prefill node until a decode node has room; "early" (SGLang 0.5.23's default) at
