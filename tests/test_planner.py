@@ -26,6 +26,13 @@ from evolving_infra.planner.common import (
     merge,
     prefill_rate,
 )
+from evolving_infra.planner.dynamo import (
+    DECODE_DOWN,
+    DECODE_UP,
+    PREFILL_DOWN,
+    PREFILL_UP,
+    may_shrink,
+)
 from evolving_infra.planner.hits import SplitMemory
 from evolving_infra.timing import DEFAULT_DEPLOYMENT
 from evolving_infra.timing.model import IterationModel
@@ -330,11 +337,83 @@ def test_evolving_rebins_finer_slices() -> None:
     assert merge(fine[:6]).requests == 6 * coarse[0].requests
 
 
-# -- dynamo -------------------------------------------------------------------------------------
+# -- dynamo: the `throughput` target (Dynamo 1.6.1's default) ----------------------------------
+
+CTX = 131_072  # the context length the planner divides queued prefill tokens by
 
 
-def test_dynamo_scales_prefill_one_node_at_a_time() -> None:
+def busiest(queued_ctx: float, kv: float, k: int = 0) -> SliceStats:
+    """A 5 s slice whose busiest prefill engine has `queued_ctx` context lengths of prompt
+    tokens waiting and whose fullest decode engine a KV demand of `kv`."""
+    return dataclasses.replace(
+        sl(k, 2_000, 0, 100, width=5.0),
+        max_queued_prefill_tokens=round(queued_ctx * CTX),
+        max_decode_kv_demand=kv,
+    )
+
+
+def test_dynamo_defaults_are_dynamo_161s() -> None:
     p = DynamoPlanner()
+    assert (p.name, p.mode, p.interval, p.switch_mode) == ("dynamo", "throughput", 5.0, "restart")
+    assert p.context_length == CTX
+    assert (PREFILL_UP, PREFILL_DOWN, DECODE_UP, DECODE_DOWN) == (1.0, 0.1, 1.0, 0.6)
+    assert DynamoPlanner(mode="load").name == "dynamo-load"
+    with pytest.raises(ValueError, match="unknown mode"):
+        DynamoPlanner(mode="utilization")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("queued_ctx", "kv", "want"),
+    [
+        (1.0, 0.5, Split(5, 3)),  # a full context queued on one prefill engine, decode spare
+        (0.99, 0.5, None),  # just under the prefill threshold
+        (0.05, 1.01, Split(3, 5)),  # decode's waiting KV does not fit, prefill spare
+        (0.05, 1.0, None),  # decode at exactly 1.0 is not above it
+        (1.5, 0.8, None),  # prefill short but decode in its band: no donor at the ceiling
+        (0.5, 1.5, None),  # decode short but prefill in its band: no donor either
+        (2.0, 2.0, None),  # both short
+        (0.0, 0.0, None),  # both spare: a lone scale-down idles nothing here, nothing moves
+    ],
+)
+def test_dynamo_moves_a_node_only_when_one_phase_grows_and_the_other_shrinks(
+    queued_ctx: float, kv: float, want: Split | None
+) -> None:
+    assert DynamoPlanner().decide(5.0, Split(4, 4), [busiest(queued_ctx, kv)], MODEL) == want
+
+
+def test_dynamo_does_not_drain_a_phase_whose_survivors_would_go_over() -> None:
+    # Decode KV demand 0.55 is "spare" (< 0.6), but spread over one engine fewer it reaches the
+    # scale-up threshold: 0.55 x 2/1 = 1.1 >= 1.0 on two decode engines; 0.55 x 4/3 < 1 on four.
+    assert may_shrink(0.55, 4, DECODE_UP, 1)
+    assert not may_shrink(0.55, 2, DECODE_UP, 1)
+    assert DynamoPlanner().decide(5.0, Split(6, 2), [busiest(1.2, 0.55)], MODEL) is None
+    assert DynamoPlanner().decide(5.0, Split(4, 4), [busiest(1.2, 0.55)], MODEL) == Split(5, 3)
+    # Prefill: 0.09 context lengths queued over 6 engines -> 0.108 over 5: still below 1.
+    assert DynamoPlanner().decide(5.0, Split(6, 2), [busiest(0.09, 1.2)], MODEL) == Split(5, 3)
+    # The last engine of a phase never goes (min_endpoint 1).
+    assert not may_shrink(0.0, 1, PREFILL_UP, 1)
+    assert DynamoPlanner().decide(5.0, Split(1, 7), [busiest(0.0, 1.2)], MODEL) is None
+
+
+def test_dynamo_reads_the_latest_sample_and_waits_for_its_switch() -> None:
+    p = DynamoPlanner()
+    calm, busy = busiest(0.0, 0.3, k=0), busiest(1.0, 0.3, k=1)
+    # The peaks are instantaneous: the latest slice's count, not an average with older ones.
+    assert merge([calm, busy]).max_queued_prefill_tokens == busy.max_queued_prefill_tokens
+    assert p.decide(10.0, Split(4, 4), [calm, busy], MODEL) == Split(5, 3)
+    assert p.decide(15.0, Split(4, 4), [busiest(1.0, 0.3, k=2)], MODEL) is None  # in flight
+    p.switch_done()
+    assert p.decide(20.0, Split(5, 3), [busiest(1.0, 0.3, k=3)], MODEL) == Split(6, 2)
+    # A context length of its own (a model with a shorter context fills it sooner).
+    short = DynamoPlanner(context_length=CTX // 4)
+    assert short.decide(5.0, Split(4, 4), [busiest(0.25, 0.3)], MODEL) == Split(5, 3)
+
+
+# -- dynamo-load: the SLA loop ------------------------------------------------------------------
+
+
+def test_dynamo_load_scales_prefill_one_node_at_a_time() -> None:
+    p = DynamoPlanner(mode="load")
     assert p.interval == 5.0
     assert p.switch_mode == "restart"
     busy = [sl(0, 2_000, 0, 100, width=5.0, queue_s=2.0, batch=8, context=2_000)]
@@ -344,56 +423,40 @@ def test_dynamo_scales_prefill_one_node_at_a_time() -> None:
     assert p.decide(15.0, Split(5, 3), busy, MODEL) == Split(6, 2)
 
 
-def test_dynamo_respects_the_slas() -> None:
+def test_dynamo_load_respects_the_slas() -> None:
+    def load(**kw: float) -> DynamoPlanner:
+        return DynamoPlanner(mode="load", **kw)  # type: ignore[arg-type]
+
     s = sl(0, 2_000, 0, 100, width=5.0, queue_s=0.3, batch=8, context=2_000)
-    ttft, itl = DynamoPlanner().estimates(s, MODEL)
+    ttft, itl = load().estimates(s, MODEL)
     assert ttft == pytest.approx(0.3 + MODEL.predict_prefill_one(2_000, 0))
     assert itl == pytest.approx(MODEL.predict_decode(8, 16_000))
     # TTFT just over its SLA and ITL comfortably under its own: one node to prefill.
-    over = DynamoPlanner(ttft_sla=ttft * 0.95, itl_sla=itl * 2)
-    assert over.decide(5.0, Split(4, 4), [s], MODEL) == Split(5, 3)
+    assert load(ttft_sla=ttft * 0.95, itl_sla=itl * 2).decide(5.0, Split(4, 4), [s], MODEL) == (
+        Split(5, 3)
+    )
     # Both within SLA but neither below SLA x 0.8: keep.
-    band = DynamoPlanner(ttft_sla=ttft * 1.1, itl_sla=itl * 1.1)
-    assert band.decide(5.0, Split(4, 4), [s], MODEL) is None
+    assert load(ttft_sla=ttft * 1.1, itl_sla=itl * 1.1).decide(5.0, Split(4, 4), [s], MODEL) is None
     # Prefill comfortably under, decode in the band: prefill gives its node to decode.
-    spare = DynamoPlanner(ttft_sla=ttft * 2, itl_sla=itl * 1.1)
+    spare = load(ttft_sla=ttft * 2, itl_sla=itl * 1.1)
     assert spare.decide(5.0, Split(4, 4), [s], MODEL) == Split(3, 5)
     # ... unless prefill is down to its last node.
-    assert (
-        DynamoPlanner(ttft_sla=ttft * 2, itl_sla=itl * 1.1).decide(5.0, Split(1, 7), [s], MODEL)
-        is None
-    )
+    assert load(ttft_sla=ttft * 2, itl_sla=itl * 1.1).decide(5.0, Split(1, 7), [s], MODEL) is None
     # With the 500 ms / 50 ms defaults: TTFT 0.44 s is in the band, ITL far under: decode
     # gives a node; with the queue empty both are comfortably under: keep.
-    assert DynamoPlanner().decide(5.0, Split(4, 4), [s], MODEL) == Split(5, 3)
+    assert load().decide(5.0, Split(4, 4), [s], MODEL) == Split(5, 3)
     light = dataclasses.replace(s, prefill_queue_s=0.0)
-    assert DynamoPlanner().decide(5.0, Split(4, 4), [light], MODEL) is None
+    assert load().decide(5.0, Split(4, 4), [light], MODEL) is None
 
 
-def test_dynamo_scales_decode_when_itl_exceeds_the_sla() -> None:
+def test_dynamo_load_scales_decode_when_itl_exceeds_the_sla() -> None:
     s = sl(0, 200, 0, 500, width=5.0, batch=256, context=30_000)
-    _, itl = DynamoPlanner().estimates(s, MODEL)
+    _, itl = DynamoPlanner(mode="load").estimates(s, MODEL)
     assert itl > 0.05
-    assert DynamoPlanner().decide(5.0, Split(4, 4), [s], MODEL) == Split(3, 5)
+    assert DynamoPlanner(mode="load").decide(5.0, Split(4, 4), [s], MODEL) == Split(3, 5)
     # Both phases over their SLA: a fixed total has no node to give.
     both = sl(0, 200, 0, 500, width=5.0, batch=256, context=30_000, queue_s=5.0)
-    assert DynamoPlanner().decide(5.0, Split(4, 4), [both], MODEL) is None
-
-
-def test_dynamo_utilization_mode_thresholds() -> None:
-    p = DynamoPlanner(mode="utilization")
-    assert p.interval == 30.0
-    full = sl(0, 2_000, 0, 100, width=30.0, kv=0.95, queue_s=0.0)
-    assert p.decide(30.0, Split(4, 4), [full], MODEL) == Split(3, 5)
-    p.switch_done()
-    # Queue utilisation: 4 nodes x 1 s / one request's prefill, far above 0.5 waiting requests.
-    queued = sl(0, 2_000, 0, 100, width=30.0, kv=0.7, queue_s=1.0)
-    assert p.queued_requests(queued, Split(4, 4), MODEL) > 0.5
-    assert p.decide(60.0, Split(4, 4), [queued], MODEL) == Split(5, 3)
-    p.switch_done()
-    # KV between 0.5 and 0.9, queue empty (< 0.2): prefill gives a node.
-    calm = sl(0, 2_000, 0, 100, width=30.0, kv=0.7, queue_s=0.0)
-    assert p.decide(90.0, Split(4, 4), [calm], MODEL) == Split(3, 5)
+    assert DynamoPlanner(mode="load").decide(5.0, Split(4, 4), [both], MODEL) is None
 
 
 # -- arrow and static ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from evolving_infra.planner.base import Split
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import DecodeAllocation, SimConfig
+from evolving_infra.sim.planning import node_samples
 from evolving_infra.sim.policies import static
 from evolving_infra.workloads.generators import SlotPlan, generate
 from sim_helpers import OneSwitch, in_system
@@ -85,6 +86,47 @@ def test_early_allocation_prefills_only_requests_a_decode_node_has_room_for(
         assert m.completed > 0
         # Every issued request was answered or is found in the system, once.
         assert m.issued == m.completed + m.rejected + len(in_system(cluster))
+
+
+def test_held_bootstrap_requests_are_not_prefill_demand() -> None:
+    """Requests in a prefill node's bootstrap queue wait for decode KV, not for the node: a
+    planner must not read a decode shortage as prefill demand (issue 24). Routing still counts
+    them (`queued_s`): they will run there."""
+    trace = generate("cc", SlotPlan(agents=40, duration=600, seed=4))
+    config = SimConfig(gpus=16, duration=400, seed=1, decode_allocation="early")
+    cluster = Cluster(trace, config, replace(static(DECODE_STARVED), admission=False))
+    seen = {"held_only": 0, "held": 0}
+
+    def check() -> None:
+        for n in cluster.nodes:
+            if n.phase != "prefill" or n.state == "down":
+                continue
+            held = list(n.held.values())
+            assert n.held_s == pytest.approx(sum(r.pred_s for r in held), abs=1e-9)
+            assert n.held_tokens == sum(r.uncached for r in held)
+            assert n.prefill_demand_s() == pytest.approx(max(n.queued_s - n.held_s, 0.0))
+            waiting = sum(r.uncached for r in n.queue)
+            assert n.waiting_prefill_tokens() == waiting
+            if held:
+                seen["held"] += 1
+                if not (n.queue or n.running):
+                    # All it has is held work: routing sees a queue, the planner sees none.
+                    seen["held_only"] += 1
+                    assert n.queued_s > 0
+                    assert n.prefill_demand_s() == pytest.approx(0.0, abs=1e-9)
+                    assert n.waiting_prefill_tokens() == 0
+        samples = node_samples(cluster.nodes)
+        up = [n for n in cluster.nodes if n.state != "down"]
+        for n, sample in zip(up, samples, strict=True):
+            if n.phase == "prefill":
+                assert sample.queued_prefill_s == n.prefill_demand_s()
+                assert sample.queued_prefill_tokens == n.waiting_prefill_tokens()
+            else:
+                assert sample.kv_demand == n.decode_kv_demand()
+
+    cluster.run(check=check)
+    assert seen["held"] > 0
+    assert seen["held_only"] > 0  # the decode-starved run does leave nodes with held work only
 
 
 @pytest.mark.parametrize("target", [Split(1, 3), Split(3, 1)])

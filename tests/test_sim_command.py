@@ -96,13 +96,13 @@ def test_restart_s_is_how_long_a_dynamo_switch_keeps_a_node_down(
     out = tmp_path / "o"
     args = parse(
         *("--workload", "osworld", "--gpus", "12", "--agents", "3", "--duration", "600"),
-        *("--policies", "dynamo", "--restart-s", str(restart_s), "--out", str(out)),
+        *("--policies", "dynamo-load", "--restart-s", str(restart_s), "--out", str(out)),
         "--no-progress",
     )
     assert command.run(args) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["switch_restart_s"] == restart_s
-    dynamo = results["policies"]["dynamo"]
+    dynamo = results["policies"]["dynamo-load"]  # its SLA loop switches on this light load
     assert dynamo["switches"] >= 1  # the run is sized so that it switches: the test needs one
     assert dynamo["switch_down_s"] == pytest.approx(restart_s * dynamo["switches"], rel=1e-6)
 

@@ -17,12 +17,13 @@ PlannerFactory = Callable[[int], Planner]
 PLANNERS: dict[str, PlannerFactory] = {
     "evolving": lambda nodes: EvolvingPlanner(nodes),
     "dynamo": lambda nodes: DynamoPlanner(),
+    "dynamo-load": lambda nodes: DynamoPlanner(mode="load"),
     "arrow": lambda nodes: ArrowPlanner(),
 }
 
 
 def make_planner(name: str, nodes_total: int) -> Planner:
-    """The planner called `name` (`evolving`, `dynamo`, `arrow` or `static:xPyD`)."""
+    """The planner called `name` (`evolving`, `dynamo`, `dynamo-load`, `arrow` or `static:xPyD`)."""
     if name.startswith("static:"):
         split = parse_split(name.removeprefix("static:"))
         if split.prefill + split.decode != nodes_total:

@@ -79,6 +79,7 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         return sum(v * x for v, x in zip(values, weights, strict=True)) / w if w > 0 else 0.0
 
     batch_w = [d * s.mean_decode_batch for d, s in zip(dur, slices, strict=True)]
+    last = max(slices, key=lambda s: s.end)  # the peaks are instantaneous: the latest's
     requests = sum(s.requests for s in slices)
     prompt = sum(s.prompt_tokens for s in slices)
     return SliceStats(
@@ -101,6 +102,8 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         prefills=sum(s.prefills for s in slices),
         prefilled_prompt_tokens=sum(s.prefilled_prompt_tokens for s in slices),
         prefilled_uncached_tokens=sum(s.prefilled_uncached_tokens for s in slices),
+        max_queued_prefill_tokens=last.max_queued_prefill_tokens,
+        max_decode_kv_demand=last.max_decode_kv_demand,
     )
 
 

@@ -1,34 +1,34 @@
-"""The `dynamo` planner: NVIDIA Dynamo's reactive planner, ±1 node per interval, restart switch.
+"""The Dynamo planners: NVIDIA Dynamo 1.6.1's planner, ±1 node per 5 s tick, restart switch.
 
-Source: ai-dynamo/dynamo `docs/components/planner/planner-guide.md` (commit 092029ef…) and
-`docs/design-docs/planner-design.md` (commit 320e674b…) (the project's notes on Dynamo, §6).
+Sources: the `ai-dynamo==1.6.1` wheel's `dynamo/planner/` (docs/baselines.md §1a, §2, each
+threshold with its file and line).
 
-`mode="load"` (the default): Dynamo's load-based scaling (PRs #6145, #7351), every 5 s:
-- estimated TTFT = the prefill nodes' queue drain time + a predicted (chunked) prefill of the
-  mean request (Dynamo simulates chunked-prefill TTFT from its prefill regression);
-- estimated ITL = `predict_decode` at the mean decode batch and its context;
-- a phase is short when its estimate exceeds its SLA (Dynamo defaults: TTFT 500 ms, ITL
-  50 ms), has nodes to spare when below SLA x `down_sensitivity` (0.8, Dynamo's
-  `load_scaling_down_sensitivity` 80 %).
-Dynamo decides per engine ("all engines exceed"); the slices carry cluster means, so the
-estimate here is of the mean engine — with a balancing router the engines are close to it.
+`mode="throughput"` (`dynamo`): Dynamo's default `optimization_target`, static thresholds on
+the busiest engine (`core/load_scaling.py:25-35`), no SLA and no performance model:
+- prefill: queued prefill tokens / context length; +1 when any engine is >= 1.0, -1 when all are
+  < 0.1 (the busiest one decides both: `SliceStats.max_queued_prefill_tokens`);
+- decode: (scheduled + queued) KV tokens / the engine's KV capacity; +1 when any is > 1.0, -1
+  when all are < 0.6 (`SliceStats.max_decode_kv_demand`);
+- a scale-down is refused when the busiest engine's load spread over the survivors would reach
+  the scale-up threshold (`load_scaling.py:800-809`: `max * ready / desired >= up`).
 
-`mode="utilization"`: the older load planner (≤ v0.3/0.4, PR #528; `examples/llm/components/
-planner.py`), every 30 s: decode short at mean KV utilisation > 0.9, spare < 0.5; prefill on
-the prefill queue "utilisation" — the requests waiting in the prefill queue — short > 0.5,
-spare < 0.2 (its documented defaults; later releases raised the up threshold to 5.0). Queued
-requests are estimated as prefill nodes x queue drain time / one mean request's prefill.
+`mode="load"` (`dynamo-load`): the SLA loop (`optimization_target: sla` with
+`enable_load_scaling`, not a default, but the one NVIDIA's planner example configures), every
+5 s: estimated TTFT = the prefill nodes' queue drain time + a predicted (chunked) prefill of the
+mean request; estimated ITL = `predict_decode` at the mean decode batch and its context; a phase
+is short when its estimate exceeds its SLA (TTFT 500 ms, ITL 50 ms), has nodes to spare when
+below SLA x 0.8 (`load_scaling_down_sensitivity`). NOTE: upstream's guards are not modelled yet
+(docs/baselines.md §2b, §6): it decides on all engines, not the mean one, counts queued decode
+KV in its ITL and refuses a decode scale-down whose survivors' KV would not fit.
 
-Load mode is the default: it is the current planner (the queue/KV planner was deprecated as
-"inoperable" once engines stopped using a global prefill queue), it is what docs/simulator.md
-specifies for the `dynamo` policy, and it reacts to latency, which is what its SLAs state.
-(Dynamo's default-on throughput mode needs an offline profile and a traffic predictor over
-180 s intervals; it is not modelled.)
-
-Dynamo scales replicas within a GPU budget; here the node total is fixed, so one phase scaling
-up takes a node from the other and one scaling down gives its node to the other
-(`common.pressure_step`). ±1 per decision, and, as in Dynamo ("no new action until the previous
-completes"), nothing while a switch is in flight: the driver calls `switch_done()`.
+The GPU budget. The simulated cluster is Dynamo's `max_gpu_budget`: every node serves, so each
+decision is taken at the ceiling, where Dynamo never takes a node from a phase whose own signal
+did not say shrink (`core/budget.py:481-502`): a phase grows only when the other shrinks in the
+same tick, and both move together (`throughput`; `rebalance`). A lone scale-down would leave
+Dynamo's GPU idle until a scale-up takes it; here that node keeps serving its phase, which can
+only favour the baseline. (`load` still trades a node whenever one phase is short or spare,
+`common.pressure_step`, as before upstream's guards were read.) As in Dynamo ("no new action
+until the previous completes"), nothing is decided while a switch is in flight.
 """
 
 from __future__ import annotations
@@ -46,51 +46,82 @@ from evolving_infra.planner.common import (
     recent,
 )
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.specs import LLAMA3_70B
 
-DynamoMode = Literal["load", "utilization"]
-INTERVAL: dict[DynamoMode, float] = {"load": 5.0, "utilization": 30.0}
+DynamoMode = Literal["throughput", "load"]
+INTERVAL = 5.0  # `load_adjustment_interval_seconds` (config/defaults.py:94-96)
+
+# The `throughput` target's thresholds (core/load_scaling.py:25-27, 31-33).
+PREFILL_UP = 1.0  # queued prefill tokens per context length, any engine
+PREFILL_DOWN = 0.1  # ... all engines
+DECODE_UP = 1.0  # (scheduled + queued) KV over KV capacity, any engine (strictly above)
+DECODE_DOWN = 0.6  # ... all engines
+
+
+def may_shrink(busiest: float, ready: int, up: float, min_nodes: int) -> bool:
+    """Dynamo's consolidation guard on a scale-down (`load_scaling.py:800-809`): the busiest
+    engine's load spread over one engine fewer must stay below the scale-up threshold, and the
+    phase keeps `min_nodes` (`min_endpoint`, 1)."""
+    desired = max(ready - 1, min_nodes)
+    if desired >= ready:
+        return False
+    return not busiest * ready / desired >= up
+
+
+def rebalance(split: Split, prefill: int, decode: int, min_nodes: int) -> Split | None:
+    """A ±1 decision per phase (`prefill`, `decode` in {-1, 0, +1}) at the GPU ceiling: one
+    node moves only when one phase grows and the other shrinks (`core/budget.py:481-502`,
+    the opposing rebalance); otherwise the split holds."""
+    if prefill > 0 > decode and split.decode > min_nodes:
+        return Split(split.prefill + 1, split.decode - 1)
+    if decode > 0 > prefill and split.prefill > min_nodes:
+        return Split(split.prefill - 1, split.decode + 1)
+    return None
 
 
 class DynamoPlanner(PlannerGate):
-    """Dynamo's SLA load planner (default) or its older KV/queue-threshold planner."""
+    """Dynamo 1.6.1's planner: its default `throughput` target, or the SLA `load` loop."""
 
-    name = "dynamo"
     switch_mode: SwitchMode = "restart"
 
     def __init__(
         self,
         *,
-        mode: DynamoMode = "load",
-        interval: float | None = None,
+        mode: DynamoMode = "throughput",
+        context_length: int = LLAMA3_70B.context_length,
+        interval: float = INTERVAL,
         ttft_sla: float = 0.5,
         itl_sla: float = 0.05,
         down_sensitivity: float = 0.8,
-        kv_up: float = 0.9,
-        kv_down: float = 0.5,
-        queue_up: float = 0.5,
-        queue_down: float = 0.2,
         min_nodes: int = 1,
         chunk_tokens: int = CHUNK_TOKENS,
     ) -> None:
         super().__init__()
-        if mode not in INTERVAL:
-            raise ValueError(f"unknown mode {mode!r} (load or utilization)")
+        if mode not in ("throughput", "load"):
+            raise ValueError(f"unknown mode {mode!r} (throughput or load)")
         if ttft_sla <= 0 or itl_sla <= 0 or not 0 < down_sensitivity <= 1 or min_nodes < 1:
             raise ValueError("need SLAs > 0, 0 < down_sensitivity <= 1 and min_nodes >= 1")
+        if context_length < 1 or interval <= 0:
+            raise ValueError("need context_length >= 1 and interval > 0")
         self.mode: DynamoMode = mode
-        self.interval = float(interval if interval is not None else INTERVAL[mode])
+        self.name = "dynamo" if mode == "throughput" else "dynamo-load"
+        self.context_length = context_length
+        self.interval = float(interval)
         self.ttft_sla, self.itl_sla, self.down_sensitivity = ttft_sla, itl_sla, down_sensitivity
-        self.kv_up, self.kv_down, self.queue_up, self.queue_down = (
-            kv_up,
-            kv_down,
-            queue_up,
-            queue_down,
-        )
         self.min_nodes = min_nodes
         self.chunk_tokens = chunk_tokens
 
+    def signals(self, s: SliceStats, split: Split) -> tuple[int, int]:
+        """The `throughput` target's ±1 per phase (prefill, decode) from the busiest engines."""
+        queued = s.max_queued_prefill_tokens / self.context_length
+        kv = s.max_decode_kv_demand
+        return (
+            _direction(queued >= PREFILL_UP, queued, PREFILL_DOWN, PREFILL_UP, split.prefill, self),
+            _direction(kv > DECODE_UP, kv, DECODE_DOWN, DECODE_UP, split.decode, self),
+        )
+
     def estimates(self, s: SliceStats, model: IterationModel) -> tuple[float, float]:
-        """(estimated TTFT, estimated ITL) in seconds for the slice's mean engine."""
+        """(estimated TTFT, estimated ITL) in seconds for the slice's mean engine (`load`)."""
         ttft = s.prefill_queue_s + self.one_prefill(s, model)
         itl = 0.0
         if s.mean_decode_batch > 0:
@@ -106,23 +137,14 @@ class DynamoPlanner(PlannerGate):
         s = recent(window, now, self.interval)
         if s is None:
             return None
-        if self.mode == "load":
-            ttft, itl = self.estimates(s, model)
-            k = self.down_sensitivity
-            p_up, p_down = ttft > self.ttft_sla, ttft < self.ttft_sla * k
-            d_up, d_down = itl > self.itl_sla, itl < self.itl_sla * k
-        else:
-            queued = self.queued_requests(s, split, model)
-            p_up, p_down = queued > self.queue_up, queued < self.queue_down
-            d_up, d_down = s.kv_utilization > self.kv_up, s.kv_utilization < self.kv_down
+        if self.mode == "throughput":
+            return self._propose(split, rebalance(split, *self.signals(s, split), self.min_nodes))
+        ttft, itl = self.estimates(s, model)
+        k = self.down_sensitivity
+        p_up, p_down = ttft > self.ttft_sla, ttft < self.ttft_sla * k
+        d_up, d_down = itl > self.itl_sla, itl < self.itl_sla * k
         target = pressure_step(split, p_up, d_up, p_down, d_down, self.min_nodes)
         return self._propose(split, target)
-
-    def queued_requests(self, s: SliceStats, split: Split, model: IterationModel) -> float:
-        """Requests waiting in the prefill queues: nodes x drain time / one request's prefill."""
-        if s.prefill_queue_s <= 0:
-            return 0.0
-        return split.prefill * s.prefill_queue_s / self.one_prefill(s, model)
 
     def one_prefill(self, s: SliceStats, model: IterationModel) -> float:
         """Predicted prefill seconds of the slice's mean request alone (chunked); a slice
@@ -131,3 +153,13 @@ class DynamoPlanner(PlannerGate):
         if mean is None:
             return prefill_seconds(model, max(s.mean_input_tokens, 1.0), 0.0, self.chunk_tokens)
         return prefill_seconds(model, mean.uncached, mean.cached, self.chunk_tokens)
+
+
+def _direction(
+    up: bool, value: float, down: float, up_at: float, ready: int, p: DynamoPlanner
+) -> int:
+    """+1 when the phase's threshold says grow, -1 when it says shrink and the consolidation
+    guard lets it, else 0."""
+    if up:
+        return 1
+    return -1 if value < down and may_shrink(value, ready, up_at, p.min_nodes) else 0

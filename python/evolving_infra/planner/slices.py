@@ -28,6 +28,12 @@ class NodeSample:
     # KV in use by running requests, 0..1 (an engine's token usage): the cache that fills the
     # rest of L1 is evictable, so it is not counted.
     kv_used: float
+    # Uncached prompt tokens waiting in the prefill queue, not started (prefill nodes).
+    queued_prefill_tokens: int = 0
+    # KV of the running batch and of requests waiting for admission over L1 (decode nodes;
+    # above 1 when the waiting ones do not fit). A driver that cannot see the waiting ones
+    # gives the running batch's.
+    kv_demand: float = 0.0
 
 
 class Slices:
@@ -48,6 +54,8 @@ class Slices:
         self.decoding_sum = 0.0  # Σ over samples of the requests decoding
         self.queue_sum = 0.0  # Σ over samples of the mean prefill queue (s)
         self.kv_sum = 0.0  # Σ over samples of the mean decode KV use (0..1)
+        self.max_queued_prefill = 0  # at the last sample: the busiest prefill node's queue
+        self.max_kv_demand = 0.0  # at the last sample: the fullest decode node's KV demand
 
     def arrival(self, prompt: int, uncached: int, cached: int) -> None:
         self.requests += 1
@@ -74,6 +82,8 @@ class Slices:
             sum(n.kv_used for n in decode),
             len(prefill),
             sum(max(n.queued_prefill_s, 0.0) for n in prefill),
+            max((n.queued_prefill_tokens for n in prefill), default=0),
+            max((n.kv_demand for n in decode), default=0.0),
         )
 
     def add_sample(
@@ -84,10 +94,15 @@ class Slices:
         kv_used: float,
         prefill_nodes: int,
         queued_prefill_s: float,
+        max_queued_prefill_tokens: int = 0,
+        max_kv_demand: float = 0.0,
     ) -> None:
         """`sample` from the sums over the nodes (each sum in node order, as `sample` adds
-        them), for a caller that has them without building a `NodeSample` per node."""
+        them) and the per-node peaks, for a caller that has them without building a
+        `NodeSample` per node."""
         self.samples += 1
+        self.max_queued_prefill = max_queued_prefill_tokens
+        self.max_kv_demand = max_kv_demand
         if decode_nodes:
             self.decoding_sum += decoding
             self.batch_sum += decoding / decode_nodes
@@ -114,6 +129,8 @@ class Slices:
             prefills=self.prefills,
             prefilled_prompt_tokens=self.prefilled_prompt,
             prefilled_uncached_tokens=self.prefilled_uncached,
+            max_queued_prefill_tokens=self.max_queued_prefill,
+            max_decode_kv_demand=self.max_kv_demand,
         )
         self.window.append(s)
         while self.window and self.window[0].end <= now - self.window_s:

@@ -100,6 +100,13 @@ class LivePlanner:
                     kv_used=min(load.kv_used_blocks / e.kv_capacity_blocks, 1.0)
                     if load and e.kv_capacity_blocks
                     else 0.0,
+                    # NOTE: the router counts a request from dispatch, so these include what
+                    # waits in an engine's bootstrap queue (the simulator's do not): the live
+                    # engines do not report that queue apart yet.
+                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    kv_demand=load.kv_used_blocks / e.kv_capacity_blocks
+                    if load and e.kv_capacity_blocks
+                    else 0.0,
                 )
             )
         return out

@@ -102,6 +102,9 @@ class Node:
         self._iter_compute = 0.0
         self.queued_s = 0.0  # predicted seconds of prefill work held, queued or running
         self.queued_tokens = 0  # uncached tokens held, queued or running
+        # Of those, the bootstrap queue's: work that waits for decode KV, not for this node.
+        self.held_s = 0.0
+        self.held_tokens = 0
         # decode
         self.batch: list[SimRequest] = []
         # NOTE: kept as the batch changes rather than summed per span and per planner sample
@@ -138,6 +141,26 @@ class Node:
             kv_used_blocks=min(kv.reserved + kv.pinned + self.waiting_blocks, kv.l1_capacity),
             kv_capacity_blocks=kv.l1_capacity,
         )
+
+    def prefill_demand_s(self) -> float:
+        """Predicted seconds of prefill work this node has to do: queued and running, not the
+        bootstrap queue's. SGLang keeps requests that wait for decode KV apart from its waiting
+        queue (`PrefillBootstrapQueue`), and a planner must not read a decode shortage as
+        prefill demand. (`queued_s`, which routing reads, counts them: they will run here.)"""
+        return max(self.queued_s - self.held_s, 0.0)
+
+    def waiting_prefill_tokens(self) -> int:
+        """Uncached prompt tokens in the prefill queue, not yet started (SGLang's waiting queue:
+        what Dynamo's planner reads as `queued_requests.sum_prefill_tokens`)."""
+        started = sum(r.remaining for r in self.running)
+        return max(self.queued_tokens - self.held_tokens - started, 0)
+
+    def decode_kv_demand(self) -> float:
+        """KV of the running batch and of the requests waiting for admission, over L1: above 1
+        when the waiting ones do not fit (Dynamo's decode signal: scheduled + queued KV over
+        the cache)."""
+        kv = self.kv
+        return (kv.reserved + kv.pinned + self.waiting_blocks) / kv.l1_capacity
 
     def drained(self) -> bool:
         """Nothing runs, waits or holds KV here: the node may switch."""
@@ -188,6 +211,8 @@ class Node:
         dispatched prefill (`router.pd`). Returns what `enqueue` returns."""
         u = self._count(req, self.reach(req.hashes, match)[3])
         self.held[req.id] = req
+        self.held_s += req.pred_s
+        self.held_tokens += u
         return u, req.prompt_tokens - u
 
     def bootstrap(self, req: SimRequest, now: float) -> bool:
@@ -195,6 +220,10 @@ class Node:
         prefill queue. False if it is not held here (it was handed back, `take_queued`)."""
         if self.held.pop(req.id, None) is None:
             return False
+        self.held_s -= req.pred_s
+        self.held_tokens -= req.uncached
+        if not self.held:
+            self.held_s, self.held_tokens = 0.0, 0  # no float drift
         self._queue(req, None, now)
         return True
 
@@ -461,6 +490,7 @@ class Node:
         self.queue.clear()
         held = list(self.held.values())
         self.held.clear()
+        self.held_s, self.held_tokens = 0.0, 0
         for r in out:
             if r.prefetched:
                 self.kv.unpin(r.hashes, now)

@@ -3,7 +3,10 @@
 The planner's window (`planner.slices.Slices`, shared with the live router) is fed arrivals with
 the cached and uncached split the prefill node estimated when they were queued, tokens decoded,
 and samples of the nodes every `sample_interval` (`node_samples`: decode batch and context,
-prefill queue drain time, decode KV use by running requests, as an engine reports it).
+prefill queue drain time, decode KV use by running requests, as an engine reports it; the
+busiest prefill queue in tokens and the highest decode KV demand). The prefill queue is the
+work a node has to do: requests in its bootstrap queue wait for decode KV, not for it, and count
+for no planner (SGLang keeps them apart from its waiting queue too).
 
 `Switcher` carries a planner's target split out (docs/simulator.md, "Phase switches"): the
 least loaded nodes of the phase that shrinks stop accepting work, drain (their running requests
@@ -26,8 +29,8 @@ from evolving_infra.sim.node import Node
 def sample_nodes(slices: Slices, nodes: Sequence[Node]) -> None:
     """`slices.sample(node_samples(nodes))` without a `NodeSample` per node (768 nodes every
     simulated second at 3,072 GPUs): the same sums, in the same order."""
-    decode = decoding = context = prefill = 0
-    kv_used = queued = 0.0
+    decode = decoding = context = prefill = max_waiting = 0
+    kv_used = queued = max_demand = 0.0
     for n in nodes:
         if n.state == "down":
             continue
@@ -37,10 +40,12 @@ def sample_nodes(slices: Slices, nodes: Sequence[Node]) -> None:
             decoding += len(n.batch)
             context += n.batch_context
             kv_used += min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity
+            max_demand = max(max_demand, n.decode_kv_demand())
         else:
             prefill += 1
-            queued += max(n.queued_s, 0.0)
-    slices.add_sample(decode, decoding, context, kv_used, prefill, queued)
+            queued += n.prefill_demand_s()
+            max_waiting = max(max_waiting, n.waiting_prefill_tokens())
+    slices.add_sample(decode, decoding, context, kv_used, prefill, queued, max_waiting, max_demand)
 
 
 def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
@@ -53,10 +58,12 @@ def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
         out.append(
             NodeSample(
                 phase=n.phase,
-                queued_prefill_s=n.queued_s,
+                queued_prefill_s=n.prefill_demand_s(),
                 decoding=len(n.batch),
                 context_tokens=n.batch_context,
                 kv_used=min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity,
+                queued_prefill_tokens=n.waiting_prefill_tokens() if n.phase == "prefill" else 0,
+                kv_demand=n.decode_kv_demand() if n.phase == "decode" else 0.0,
             )
         )
     return out

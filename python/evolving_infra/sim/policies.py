@@ -3,7 +3,8 @@
 | name | router | planner | eviction | shared pool | prefetch | decode-KV admission |
 |---|---|---|---|---|---|---|
 | `evolving` | `routing.evolving` | `planner.evolving` | branch-aware | yes | yes | yes |
-| `dynamo` | `routing.dynamo` | `planner.dynamo` | LRU | no | no | no |
+| `dynamo` | `routing.dynamo` | `planner.dynamo`, target `throughput` | LRU | no | no | no |
+| `dynamo-load` | as `dynamo` | `planner.dynamo`, the SLA loop | LRU | no | no | no |
 | `arrow` | `routing.least_loaded` | `planner.arrow` | LRU | yes | no | no |
 | `static:xPyD` | as `evolving` | none (fixed split) | as `evolving` |  |  |  |
 
@@ -16,7 +17,7 @@ inside the factories: the simulator imports without them, and a test may hand in
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from evolving_infra.planner.base import Planner, Split
@@ -112,7 +113,16 @@ def _evolving_planner(ctx: PolicyContext) -> Planner:
 def _dynamo_planner(ctx: PolicyContext) -> Planner:
     from evolving_infra.planner.dynamo import DynamoPlanner
 
-    return DynamoPlanner(chunk_tokens=ctx.config.chunk_tokens)
+    return DynamoPlanner(
+        context_length=ctx.config.deployment.model.context_length,
+        chunk_tokens=ctx.config.chunk_tokens,
+    )
+
+
+def _dynamo_load_planner(ctx: PolicyContext) -> Planner:
+    from evolving_infra.planner.dynamo import DynamoPlanner
+
+    return DynamoPlanner(mode="load", chunk_tokens=ctx.config.chunk_tokens)
 
 
 def _arrow_planner(ctx: PolicyContext) -> Planner:
@@ -160,8 +170,9 @@ EVOLVING = PolicySpec(
     admission=True,
 )
 DYNAMO = PolicySpec("dynamo", _dynamo_router, _dynamo_planner, "lru", False, False, False)
+DYNAMO_LOAD = replace(DYNAMO, name="dynamo-load", planner=_dynamo_load_planner)
 ARROW = PolicySpec("arrow", _least_loaded_router, _arrow_planner, "lru", True, False, False)
-NAMED = {p.name: p for p in (EVOLVING, DYNAMO, ARROW)}
+NAMED = {p.name: p for p in (EVOLVING, DYNAMO, DYNAMO_LOAD, ARROW)}
 
 
 def policy(name: str, nodes: int) -> PolicySpec:

@@ -25,6 +25,11 @@ class ModelConfig:
     vocab: int
     bytes_per_param: int = 2  # BF16 weights
     bytes_per_kv: int = 2  # BF16 KV cache
+    # The longest context an engine accepts (SGLang's `context_len`, from the model's
+    # `max_position_embeddings`): Llama 3.1's 131,072, the version whose context holds the
+    # traces' 100k-token prompts (Llama 3.0 had 8,192). Dynamo's planner scales prefill on
+    # queued tokens per context length (docs/baselines.md, §1a).
+    context_length: int = 131_072
 
     @property
     def linear_params_per_layer(self) -> int:
