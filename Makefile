@@ -52,9 +52,10 @@ $(SGLANG): $(STAMP) pyproject.toml scripts/install-sglang-cpu.sh scripts/sglang-
 
 sglang: $(SGLANG) ## install SGLang 0.5.23 (CPU) into .venv for the SGLang backend's tests
 
-demo: build ## 36 simulated GPUs serving the bundled Claude Code sessions: evolving vs dynamo vs best-static (~2 min)
+demo: build ## 36 simulated GPUs, the bundled Claude Code sessions: evolving vs dynamo, and the best static split on Dynamo's infrastructure and ours (~1 min)
 	$(VENV)/bin/evolving-infra sim --trace data/traces/claude-code --gpus 36 --agents 40 \
-		--duration 1800 --policies evolving,dynamo,best-static --seed 0 --out out/demo
+		--duration 1800 --policies evolving,dynamo,best-dynamo-static,best-static --seed 0 \
+		--out out/demo
 
 demo-directory: build ## replay the bundled Claude Code traces into the KV directory alone; per-node hit rates
 	$(VENV)/bin/evolving-infra demo

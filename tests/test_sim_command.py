@@ -111,3 +111,29 @@ def test_restart_s_defaults_to_the_papers_figure() -> None:
     assert parse().restart_s == 700.0
     with pytest.raises(SystemExit):
         parse("--restart-s", "0")
+
+
+def test_static_sweeps_run_on_each_infrastructure(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    args = parse(
+        *("--workload", "putnam", "--gpus", "12", "--agents", "2", "--duration", "120"),
+        *("--policies", "best-static,best-dynamo-static,best-arrow-static,dynamo-static:1P2D"),
+        *("--out", str(out), "--no-progress", "--jobs", "2"),
+    )
+    assert command.run(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    policies = results["policies"]
+    assert set(policies) == {
+        "best-static", "best-dynamo-static", "best-arrow-static", "dynamo-static:1P2D"
+    }  # fmt: skip
+    for sweep in ("best-static", "best-dynamo-static", "best-arrow-static"):
+        assert set(policies[sweep]["splits"]) == {"1P2D", "2P1D"}, sweep
+        best = max(policies[sweep]["splits"].items(), key=lambda kv: kv[1])
+        assert policies[sweep]["split"] == best[0]
+        assert policies[sweep]["throughput_tokens_per_s"] == best[1]
+    # The named static split on Dynamo's infrastructure is the sweep's run of the same split.
+    one = policies["dynamo-static:1P2D"]["throughput_tokens_per_s"]
+    assert policies["best-dynamo-static"]["splits"]["1P2D"] == one
+    # Nothing switched: no planner.
+    assert all(policies[name]["switches"] == 0 for name in policies)
+    assert set(results["runtime"]) >= {"dynamo-static:1P2D", "arrow-static:2P1D", "static:1P2D"}

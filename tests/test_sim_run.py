@@ -173,6 +173,26 @@ def test_policy_specs() -> None:
         PolicySpec("bad", spec.router, None, "lru", True, False, True)
 
 
+@pytest.mark.parametrize(
+    ("name", "base"),
+    [("static", "evolving"), ("dynamo-static", "dynamo"), ("arrow-static", "arrow")],
+)
+def test_a_static_split_keeps_its_infrastructure_and_drops_its_planner(
+    name: str, base: str
+) -> None:
+    spec, of = policy(f"{name}:3P5D", 8), policy(base, 8)
+    assert spec.name == f"{name}:3P5D"
+    assert spec.split == Split(3, 5)
+    assert (spec.eviction, spec.shared_pool, spec.prefetch, spec.admission) == (
+        of.eviction, of.shared_pool, of.prefetch, of.admission
+    )  # fmt: skip
+    assert spec.router is of.router
+    if name != "static":  # ours runs a StaticPlanner; theirs none
+        assert spec.planner is None
+    with pytest.raises(ValueError, match="not a split"):
+        policy(f"{name}:3P4D", 8)
+
+
 def test_oversized_requests_are_rejected_not_lost() -> None:
     # A GPU with barely more memory than the weights: the longer prompts cannot fit a node.
     from evolving_infra.timing.specs import LLAMA3_70B, Deployment, GpuSpec

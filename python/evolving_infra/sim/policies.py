@@ -8,7 +8,9 @@
 | `arrow` | `routing.least_loaded` | `planner.arrow` | LRU | yes | no | no |
 | `static:xPyD` | as `evolving` | none (fixed split) | as `evolving` |  |  |  |
 
-`best-static` is not a policy but a comparison: every split run as `static` (`run.compare`).
+`best-static` is not a policy but a comparison: every split run as `static` (`run.compare`);
+`best-dynamo-static` and `best-arrow-static` the same on Dynamo's and Arrow's infrastructure
+(`dynamo-static:xPyD`, `arrow-static:xPyD`: their routing, eviction and pool, no planner).
 
 The switch mode comes with the planner (`Planner.switch_mode`). Policy classes are imported
 inside the factories: the simulator imports without them, and a test may hand in its own.
@@ -175,15 +177,31 @@ ARROW = PolicySpec("arrow", _least_loaded_router, _arrow_planner, "lru", True, F
 NAMED = {p.name: p for p in (EVOLVING, DYNAMO, DYNAMO_LOAD, ARROW)}
 
 
+# A static split on a baseline's own infrastructure (its router, eviction, pool and gate, no
+# planner): what that system reaches at its best split, so that the planner's worth and the
+# infrastructure's are told apart (issue 24). `static:xPyD` is Evolving Infra's.
+STATIC_ON = {"static": None, "dynamo-static": DYNAMO, "arrow-static": ARROW}
+
+
+def static_on(infra: str, split: Split) -> PolicySpec:
+    """`static:xPyD` (ours), `dynamo-static:xPyD` or `arrow-static:xPyD`."""
+    base = STATIC_ON[infra]
+    if base is None:
+        return static(split)
+    return replace(base, name=f"{infra}:{split}", planner=None, split=split)
+
+
 def policy(name: str, nodes: int) -> PolicySpec:
-    """The named policy (`evolving`, `dynamo`, `arrow` or `static:xPyD` on `nodes` nodes)."""
-    if name.startswith("static:"):
-        split = parse_split(name.removeprefix("static:"))
+    """The named policy (`evolving`, `dynamo`, `dynamo-load`, `arrow`, or a static split on an
+    infrastructure, `static:xPyD`, `dynamo-static:xPyD`, `arrow-static:xPyD`, on `nodes`)."""
+    infra, sep, text = name.partition(":")
+    if sep and infra in STATIC_ON:
+        split = parse_split(text)
         if split.prefill + split.decode != nodes or split.prefill < 1 or split.decode < 1:
             raise ValueError(f"{name} is not a split of {nodes} nodes with both phases")
-        return static(split)
+        return static_on(infra, split)
     if name not in NAMED:
-        known = ", ".join([*NAMED, "static:xPyD", "best-static"])
+        known = ", ".join([*NAMED, *(f"{i}:xPyD" for i in STATIC_ON), "best-static"])
         raise ValueError(f"unknown policy {name!r} (known: {known})")
     return NAMED[name]
 

@@ -1,8 +1,9 @@
 """Running policies on a trace: `simulate` one, `compare` several (JSON-ready results).
 
 `compare` expands `best-static` into every split run as `static:xPyD` and reports the one with
-the highest throughput (and every split's throughput under `splits`). With `jobs` > 1 it runs
-that many policies at once in forked processes: each inherits the trace and the policies
+the highest throughput (and every split's throughput under `splits`); `best-dynamo-static` and
+`best-arrow-static` do the same on Dynamo's and Arrow's infrastructure (`SWEEPS`). With `jobs` >
+1 it runs that many policies at once in forked processes: each inherits the trace and the policies
 (nothing is pickled on the way in, only each run's `Result` on the way back), and the results
 are the same as one after the other, since every run depends only on the trace, the config and
 its policy.
@@ -23,10 +24,16 @@ from evolving_infra.sim.cluster import Cluster, RunStats
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.metrics import Point
 from evolving_infra.sim.planning import SwitchLog
-from evolving_infra.sim.policies import PolicySpec, policy, static, static_splits
+from evolving_infra.sim.policies import PolicySpec, policy, static_on, static_splits
 from evolving_infra.workloads.model import Trace
 
 BEST_STATIC = "best-static"
+# Every split of the cluster on one infrastructure, the best reported (`policies.STATIC_ON`).
+SWEEPS = {
+    BEST_STATIC: "static",
+    "best-dynamo-static": "dynamo-static",
+    "best-arrow-static": "arrow-static",
+}
 Tick = Callable[[float], None]
 
 
@@ -108,8 +115,8 @@ def compare(
     for p in policies:
         if isinstance(p, PolicySpec):
             runs.append((p.name, p))
-        elif p == BEST_STATIC:
-            runs.extend((BEST_STATIC, static(s)) for s in static_splits(config.nodes))
+        elif p in SWEEPS:
+            runs.extend((p, static_on(SWEEPS[p], s)) for s in static_splits(config.nodes))
         else:
             runs.append((p, policy(p, config.nodes)))
     specs = [spec for _, spec in runs]
@@ -118,22 +125,19 @@ def compare(
     else:
         with _bar(progress, len(runs), config.duration) as bar:
             results = [simulate(trace, config, spec, bar(spec.name)) for spec in specs]
-    statics: dict[str, Result] = {}
+    sweeps: dict[str, dict[str, Result]] = {}
     for (label, spec), result in zip(runs, results, strict=True):
         out["runtime"][spec.name] = result.runtime()
-        if label == BEST_STATIC:
-            statics[spec.name] = result
+        if label in SWEEPS:
+            sweeps.setdefault(label, {})[spec.name.partition(":")[2]] = result
         else:
             out["policies"][label] = result.to_dict()
-    if statics:
-        best = max(statics.values(), key=lambda r: r.summary["throughput_tokens_per_s"])
+    for label, statics in sweeps.items():
+        split, best = max(statics.items(), key=lambda kv: kv[1].summary["throughput_tokens_per_s"])
         figures = best.to_dict()
-        figures["split"] = best.policy.removeprefix("static:")
-        figures["splits"] = {
-            name.removeprefix("static:"): r.summary["throughput_tokens_per_s"]
-            for name, r in statics.items()
-        }
-        out["policies"][BEST_STATIC] = figures
+        figures["split"] = split
+        figures["splits"] = {s: r.summary["throughput_tokens_per_s"] for s, r in statics.items()}
+        out["policies"][label] = figures
     return out
 
 
