@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
-from evolving_infra.sim.run import main_table
+from evolving_infra.sim.run import SWEEPS, main_table
 from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, run_scenario
 from evolving_infra.workloads.errors import WorkloadError
 
@@ -125,10 +125,11 @@ def report(results: dict[str, Any]) -> str:
             "",
             main_table(r).rstrip("\n"),
         ]
-        best = r["policies"].get("best-static")
-        if best is not None and "splits" in best:
-            sweep = ", ".join(f"{k} {v:,.0f}" for k, v in best["splits"].items())
-            lines += ["", f"Static splits, tokens/s: {sweep}."]
+        for sweep_name in SWEEPS:
+            best = r["policies"].get(sweep_name)
+            if best is not None and "splits" in best:
+                sweep = ", ".join(f"{k} {v:,.0f}" for k, v in best["splits"].items())
+                lines += ["", f"Static splits ({sweep_name}), tokens/s: {sweep}."]
         splits = _split_lines(r)
         if splits:
             lines += ["", "Split over time (minute: split; +k: nodes switching):", "", *splits]
@@ -151,7 +152,7 @@ def _split_lines(results: dict[str, Any]) -> list[str]:
     out = []
     for name, f in results["policies"].items():
         points = f.get("timeline", [])
-        if not points or name == "best-static" or name.startswith("static:"):
+        if not points or name in SWEEPS or ":" in name:  # a static split never moves
             continue
         steps: list[str] = []
         last: tuple[int, int, int] | None = None

@@ -51,7 +51,10 @@ from evolving_infra.workloads import generators
 from evolving_infra.workloads.model import Trace
 
 CLAUDE_CODE = "claude-code"  # a workload kind: sessions drawn from the bundled real traces
-BASELINES = ("evolving", "dynamo", "arrow")
+BASELINES = ("evolving", "dynamo", "dynamo-load", "arrow")
+# Best static splits on Evolving Infra's infrastructure and on Dynamo's (docs/baselines.md):
+# the planner's worth and the infrastructure's, told apart.
+SWEEPS = (BEST_STATIC, "best-dynamo-static")
 FULL_DURATION = 3600.0  # the paper reports simulated hours
 QUICK_DURATION = 600.0
 QUICK_GPUS = 16
@@ -159,7 +162,7 @@ def _level(kind: str, level: str) -> Callable[[Size], list[ScenarioRun]]:
         gpus = QUICK_GPUS if size.quick else 36
         d = size.seconds(FULL_DURATION, QUICK_DURATION)
         w = Workload(workload_kind, size.agents(agents_36 * gpus / 36), d)
-        run = ScenarioRun(f"{kind}-{level}", w, _config(gpus, size, d), (*BASELINES, BEST_STATIC))
+        run = ScenarioRun(f"{kind}-{level}", w, _config(gpus, size, d), (*BASELINES, *SWEEPS))
         return [run]
 
     return build
@@ -170,7 +173,7 @@ def _shift(size: Size) -> list[ScenarioRun]:
     # The mix needs time to move and the planner 3+ one-minute slices to see each phase.
     d = size.seconds(FULL_DURATION, 900.0)
     w = Workload("shift", size.agents(SHIFT_AGENTS * gpus / 36), d)
-    return [ScenarioRun("shift", w, _config(gpus, size, d), (*BASELINES, BEST_STATIC))]
+    return [ScenarioRun("shift", w, _config(gpus, size, d), (*BASELINES, *SWEEPS))]
 
 
 INITIAL_SPLITS = (Split(3, 6), Split(4, 5), Split(5, 4), Split(6, 3))
