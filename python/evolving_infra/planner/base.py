@@ -53,7 +53,7 @@ class SliceStats:
     # Per-engine peaks at the slice's last sample, for planners that decide on the busiest
     # engine (Dynamo's "any engine above, all engines below" thresholds): the most uncached
     # prompt tokens waiting in one prefill node's queue, and the highest decode KV demand
-    # (running batch plus requests waiting for admission, over L1; above 1 when they do not fit).
+    # (running batch plus preempted requests, over L1; above 1 when those do not fit).
     max_queued_prefill_tokens: int = 0
     max_decode_kv_demand: float = 0.0
 

@@ -7,8 +7,11 @@ threshold with its file and line).
 the busiest engine (`core/load_scaling.py:25-35`), no SLA and no performance model:
 - prefill: queued prefill tokens / context length; +1 when any engine is >= 1.0, -1 when all are
   < 0.1 (the busiest one decides both: `SliceStats.max_queued_prefill_tokens`);
-- decode: (scheduled + queued) KV tokens / the engine's KV capacity; +1 when any is > 1.0, -1
-  when all are < 0.6 (`SliceStats.max_decode_kv_demand`);
+- decode: (scheduled + queued) KV tokens / the engine's KV capacity, "queued" being requests
+  preempted back to the waiting queue; +1 when any is > 1.0, -1 when all are < 0.6
+  (`SliceStats.max_decode_kv_demand`). SGLang admits a decode request only once its KV is
+  allocated, and the simulated node never preempts, so in the simulator decode never asks for
+  a node: it can only give one (as upstream does when nothing is preempted);
 - a scale-down is refused when the busiest engine's load spread over the survivors would reach
   the scale-up threshold (`load_scaling.py:800-809`: `max * ready / desired >= up`).
 

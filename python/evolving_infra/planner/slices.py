@@ -30,9 +30,8 @@ class NodeSample:
     kv_used: float
     # Uncached prompt tokens waiting in the prefill queue, not started (prefill nodes).
     queued_prefill_tokens: int = 0
-    # KV of the running batch and of requests waiting for admission over L1 (decode nodes;
-    # above 1 when the waiting ones do not fit). A driver that cannot see the waiting ones
-    # gives the running batch's.
+    # Dynamo's decode signal (decode nodes): the KV of the running batch and of requests
+    # preempted back to the waiting queue, over L1 (above 1 when those do not fit).
     kv_demand: float = 0.0
 
 

@@ -156,11 +156,14 @@ class Node:
         return max(self.queued_tokens - self.held_tokens - started, 0)
 
     def decode_kv_demand(self) -> float:
-        """KV of the running batch and of the requests waiting for admission, over L1: above 1
-        when the waiting ones do not fit (Dynamo's decode signal: scheduled + queued KV over
-        the cache)."""
+        """KV of the running batch over L1: Dynamo's decode signal, scheduled + queued KV over
+        the cache, where "queued" are requests preempted back to the waiting queue (its
+        `ForwardPassMetrics`, docs/baselines.md §2a). A simulated decode node never preempts
+        (it admits a request only once its KV fits), and requests waiting for their KV to be
+        allocated (`waiting`, SGLang's prealloc queue) are in no scheduler queue, so neither
+        counts: the signal stays at or below 1."""
         kv = self.kv
-        return (kv.reserved + kv.pinned + self.waiting_blocks) / kv.l1_capacity
+        return min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity
 
     def drained(self) -> bool:
         """Nothing runs, waits or holds KV here: the node may switch."""
