@@ -15,6 +15,7 @@ from evolving_infra.argtypes import (
 )
 from evolving_infra.sim.config import DECODE_ALLOCATIONS, SWITCH_RESTART_S, SimConfig
 from evolving_infra.sim.plots import timelines
+from evolving_infra.sim.policies import SWEEPS, policy
 from evolving_infra.sim.run import BEST_STATIC, compare, main_table
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 from evolving_infra.workloads import generators
@@ -131,12 +132,17 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise WorkloadError(str(e)) from None
-    check_output_folder(args.out, "--out")  # before the runs, not after them
+    for name in names:  # an unknown policy name, a split that does not fit: before the runs
+        if name not in SWEEPS:
+            try:
+                policy(name, config.nodes)
+            except ValueError as e:
+                raise WorkloadError(str(e)) from None
+    check_output_folder(args.out, "--out")
     trace = load_trace(args)
-    try:
-        results = compare(trace, config, names, progress=not args.no_progress, jobs=args.jobs)
-    except ValueError as e:  # an unknown policy name, a split that does not fit
-        raise WorkloadError(str(e)) from None
+    # NOTE: nothing the runs raise is the user's doing any more: a ValueError from them (a
+    # directory error, say) is a bug and reaches the CLI as an internal error, not as a bad input.
+    results = compare(trace, config, names, progress=not args.no_progress, jobs=args.jobs)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")

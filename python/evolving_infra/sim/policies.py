@@ -183,6 +183,14 @@ NAMED = {p.name: p for p in (EVOLVING, DYNAMO, DYNAMO_LOAD, ARROW)}
 STATIC_ON = {"static": None, "dynamo-static": DYNAMO, "arrow-static": ARROW}
 
 
+# Every split of the cluster on one infrastructure, the best reported (`run.compare`).
+SWEEPS = {
+    "best-static": "static",
+    "best-dynamo-static": "dynamo-static",
+    "best-arrow-static": "arrow-static",
+}
+
+
 def static_on(infra: str, split: Split) -> PolicySpec:
     """`static:xPyD` (ours), `dynamo-static:xPyD` or `arrow-static:xPyD`."""
     base = STATIC_ON[infra]
@@ -201,7 +209,7 @@ def policy(name: str, nodes: int) -> PolicySpec:
             raise ValueError(f"{name} is not a split of {nodes} nodes with both phases")
         return static_on(infra, split)
     if name not in NAMED:
-        known = ", ".join([*NAMED, *(f"{i}:xPyD" for i in STATIC_ON), "best-static"])
+        known = ", ".join([*NAMED, *(f"{i}:xPyD" for i in STATIC_ON), *SWEEPS])
         raise ValueError(f"unknown policy {name!r} (known: {known})")
     return NAMED[name]
 

@@ -24,16 +24,10 @@ from evolving_infra.sim.cluster import Cluster, RunStats
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.metrics import Point
 from evolving_infra.sim.planning import SwitchLog
-from evolving_infra.sim.policies import PolicySpec, policy, static_on, static_splits
+from evolving_infra.sim.policies import SWEEPS, PolicySpec, policy, static_on, static_splits
 from evolving_infra.workloads.model import Trace
 
 BEST_STATIC = "best-static"
-# Every split of the cluster on one infrastructure, the best reported (`policies.STATIC_ON`).
-SWEEPS = {
-    BEST_STATIC: "static",
-    "best-dynamo-static": "dynamo-static",
-    "best-arrow-static": "arrow-static",
-}
 Tick = Callable[[float], None]
 
 

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
-from evolving_infra.sim.run import SWEEPS, main_table
+from evolving_infra.sim.policies import SWEEPS
+from evolving_infra.sim.run import main_table
 from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, run_scenario
 from evolving_infra.workloads.errors import WorkloadError
 
