@@ -19,6 +19,13 @@ branch-aware order a running request's branch is live, so `R_b > 0`) and shields
 above it. Evictions never exceed `l1_held - pinned`, and `pinned` counts a prefix shared by
 running requests once per request (an over-estimate), so a pinned block is never chosen. (Two
 running requests with the very same chain share one leaf: the first to finish unpins both.)
+NOTE (a suspected bug, 2026-12-01, not confirmed by a trace): the same holds for a running
+request whose leaf lies inside a longer chain that is unpinned: the touch gives it the real
+time, and under LRU its prefix may then be evicted while it runs. Seen: `Node._finish` storing
+output blocks under a parent the directory no longer knows (`UnknownParentError`), with a
+shared pool under LRU after ~40 simulated minutes of 100 Claude Code agents (the closing note
+of session 14 has the repro). A fix: count pinned leaves per node and re-pin, after the touch,
+those that lie on the unpinned chain.
 
 L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), in one
 directory call (`KvDirectory.demote`: the blocks never leave the directory, so no record of
