@@ -19,13 +19,13 @@ branch-aware order a running request's branch is live, so `R_b > 0`) and shields
 above it. Evictions never exceed `l1_held - pinned`, and `pinned` counts a prefix shared by
 running requests once per request (an over-estimate), so a pinned block is never chosen. (Two
 running requests with the very same chain share one leaf: the first to finish unpins both.)
-NOTE (a suspected bug, 2026-12-01, not confirmed by a trace): the same holds for a running
-request whose leaf lies inside a longer chain that is unpinned: the touch gives it the real
-time, and under LRU its prefix may then be evicted while it runs. Seen: `Node._finish` storing
-output blocks under a parent the directory no longer knows (`UnknownParentError`), with a
-shared pool under LRU after ~40 simulated minutes of 100 Claude Code agents (the closing note
-of session 14 has the repro). A fix: count pinned leaves per node and re-pin, after the touch,
-those that lie on the unpinned chain.
+NOTE (a bug, 2026-12-01, cause not found yet): with a shared pool under LRU (Dynamo's router
+with a shared tier, 100 Claude Code agents, 36 GPUs, seed 0), a running decode request's prompt
+leaves its node's L1: at t = 106 s on node 7, a request decoding there (admitted with 206 of
+its 574 blocks in L1) had only its first 99 in L1 and the rest in L2, and another admission's
+eviction demoted those 99 too; at t = 1,052 s `Node._finish` stores output under a prompt leaf
+the directory no longer knows (`UnknownParentError`). Refuted: another request's `unpin`
+touching its leaf (no such touch happened). Session 14's closing note has the repro.
 
 L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), in one
 directory call (`KvDirectory.demote`: the blocks never leave the directory, so no record of
