@@ -60,6 +60,52 @@ def test_eviction_spares_pinned_chains_and_demotes_to_l2() -> None:
     assert d.match(a).nodes[0] == (0, 6)
 
 
+def test_an_unpin_leaves_other_running_requests_pinned() -> None:
+    """Request 2's prompt is a prefix of request 1's (a shorter turn of the same context): when
+    1 finishes, its unpin touches the shared blocks, and 2's leaf among them must stay pinned,
+    or an eviction takes the prefix 2 is reading (under LRU it is the oldest leaf left)."""
+    rng = random.Random(3)
+    d, kv = make(20, 100)
+    long = chain(rng, 10)
+    short = long[:6]
+    other = chain(rng, 4)
+    kv.store(long, None, 1.0)
+    kv.pin(short, key=2)  # request 2 reads the first six blocks
+    kv.pin(long, key=1)  # request 1 the whole chain
+    kv.pinned += len(short) + len(long)
+    kv.store(other, None, 2.0)
+    kv.unpin(long, 3.0, key=1)  # request 1 is done: its blocks were used at t = 3
+    kv.pinned -= len(long)
+    # Everything not pinned may go (6 free + 8 evictable): `other` and request 1's four own
+    # blocks, not request 2's, though they were used at t = 3 and `other` at t = 2.
+    assert not kv.room(15)
+    assert kv.reserve(14, 4.0)
+    assert l1_of(d, short) == 6
+    assert l1_of(d, other) == 0
+    assert l1_of(d, long) == 6
+    # Once request 2 is done too, its prefix is as evictable as any block.
+    kv.reserved -= 14
+    kv.unpin(short, 5.0, key=2)
+    kv.pinned -= len(short)
+    assert kv.reserve(20, 6.0)
+    assert kv.l1_held == 0
+
+
+def test_the_same_prompt_twice_stays_pinned_until_both_are_done() -> None:
+    rng = random.Random(4)
+    d, kv = make(10, 100)
+    a = chain(rng, 5)
+    kv.store(a, None, 1.0)
+    kv.pin(a, key=1)
+    kv.pin(a, key=2)
+    kv.pinned += 2 * len(a)
+    kv.unpin(a, 2.0, key=1)
+    kv.pinned -= len(a)
+    kv.store(chain(rng, 5), None, 3.0)  # newer than a's touch at t = 2
+    assert kv.reserve(5, 4.0)  # room for five more: the newer chain goes, not a
+    assert l1_of(d, a) == 5
+
+
 def test_l2_overflow_drops_blocks() -> None:
     rng = random.Random(2)
     d, kv = make(8, 5)

@@ -13,12 +13,14 @@ import pytest
 
 from evolving_infra.planner.base import Split
 from evolving_infra.planner.slices import Slices
+from evolving_infra.routing.dynamo import DynamoRouter
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import DecodeAllocation, SimConfig
 from evolving_infra.sim.kv import BlockParents
 from evolving_infra.sim.planning import node_samples, sample_nodes
-from evolving_infra.sim.policies import PolicySpec, policy, static
+from evolving_infra.sim.policies import PolicyContext, PolicySpec, policy, static
 from evolving_infra.sim.run import BEST_STATIC, compare
+from evolving_infra.timing.model import IterationModel
 from evolving_infra.workloads.blocks import PromptHasher
 from evolving_infra.workloads.generators import SlotPlan, generate
 from evolving_infra.workloads.model import Trace
@@ -175,7 +177,12 @@ def test_policy_specs() -> None:
 
 @pytest.mark.parametrize(
     ("name", "base"),
-    [("static", "evolving"), ("dynamo-static", "dynamo"), ("arrow-static", "arrow")],
+    [
+        ("static", "evolving"),
+        ("dynamo-static", "dynamo"),
+        ("dynamo-hicache-static", "dynamo-hicache"),
+        ("arrow-static", "arrow"),
+    ],
 )
 def test_a_static_split_keeps_its_infrastructure_and_drops_its_planner(
     name: str, base: str
@@ -220,3 +227,18 @@ def test_sampling_without_node_samples_adds_the_same_sums() -> None:
     assert a.samples > 0
     assert a.context_sum > 0
     assert vars(a) == vars(b)  # every sum equal, to the last bit
+
+
+def test_dynamo_hicache_is_dynamo_with_a_shared_tier_its_router_credits() -> None:
+    base, hicache = policy("dynamo", 8), policy("dynamo-hicache", 8)
+    assert hicache.planner is base.planner
+    assert (hicache.eviction, hicache.prefetch, hicache.admission) == ("lru", False, False)
+    assert (base.shared_pool, hicache.shared_pool) == (False, True)
+    ctx = PolicyContext(8, 16, SimConfig(gpus=32), IterationModel())
+    router = hicache.router(ctx)
+    assert isinstance(router, DynamoRouter)
+    assert router.count_shared_cache
+    assert router.shared_cache_multiplier == 0.5
+    plain = base.router(ctx)
+    assert isinstance(plain, DynamoRouter)
+    assert not plain.count_shared_cache

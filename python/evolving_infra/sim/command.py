@@ -32,12 +32,14 @@ GPUs / TP nodes, once per policy, and compares them: output tokens/s, requests/s
 the phase switches each policy made. The ground-truth iteration times come from a roofline of
 the model on the GPU (hidden from the policies, which see only a model fitted online).
 
-Policies: evolving; dynamo (Dynamo 1.6.1 as shipped: KV router, LRU, its default `throughput`
-planner target, restart to switch) and dynamo-load (its SLA load planner); arrow;
-static:xPyD (a fixed split on Evolving Infra's infrastructure), dynamo-static:xPyD and
-arrow-static:xPyD (on theirs, no planner); best-static, best-dynamo-static, best-arrow-static
-(every split run so, the best by throughput reported). See docs/simulator.md and, for how the
-baselines follow their upstream defaults, docs/baselines.md.
+Policies: evolving; dynamo (Dynamo 1.6.1's defaults: KV router, LRU, its default `throughput`
+planner target, restart to switch), dynamo-load (its SLA load planner) and dynamo-hicache
+(dynamo with SGLang's HiCache and a Mooncake store: a shared tier its router credits); arrow;
+static:xPyD (a fixed split on Evolving Infra's infrastructure), dynamo-static:xPyD,
+dynamo-hicache-static:xPyD and arrow-static:xPyD (on theirs, no planner); best-static,
+best-dynamo-static, best-dynamo-hicache-static, best-arrow-static (every split run so, the best
+by throughput reported). See docs/simulator.md and, for how the baselines follow their upstream
+defaults, docs/baselines.md.
 
 Writes DIR/results.json (every figure, per-minute timelines), DIR/results.md (a table) and
 DIR/timeline_*.png. With --trace, the files' agents are drawn into --agents slots of sessions

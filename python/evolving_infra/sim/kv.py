@@ -17,15 +17,12 @@ whole chain with the real time. Eviction takes leaves only and orders by `(R_b >
 so a pinned leaf comes after every unpinned block of its kind (`R_b = 0` under LRU; under the
 branch-aware order a running request's branch is live, so `R_b > 0`) and shields every block
 above it. Evictions never exceed `l1_held - pinned`, and `pinned` counts a prefix shared by
-running requests once per request (an over-estimate), so a pinned block is never chosen. (Two
-running requests with the very same chain share one leaf: the first to finish unpins both.)
-NOTE (a bug, 2026-12-01, cause not found yet): with a shared pool under LRU (Dynamo's router
-with a shared tier, 100 Claude Code agents, 36 GPUs, seed 0), a running decode request's prompt
-leaves its node's L1: at t = 106 s on node 7, a request decoding there (admitted with 206 of
-its 574 blocks in L1) had only its first 99 in L1 and the rest in L2, and another admission's
-eviction demoted those 99 too; at t = 1,052 s `Node._finish` stores output under a prompt leaf
-the directory no longer knows (`UnknownParentError`). Refuted: another request's `unpin`
-touching its leaf (no such touch happened). Session 14's closing note has the repro.
+running requests once per request (an over-estimate), so a pinned block is never chosen.
+An unpin touches the whole chain, which also gives the real time to the leaf of another running
+request that lies on it (one whose prompt is a prefix of this one, or the same prompt): the node
+remembers each running request's pinned leaf by its key (`pin`, `pinned_to`) and an `unpin`
+pins those leaves again. (Without it, a Claude Code run under LRU with a shared pool evicted a
+decoding request's prompt and crashed on an unknown parent, 2026-12-01.)
 
 L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), in one
 directory call (`KvDirectory.demote`: the blocks never leave the directory, so no record of
@@ -216,6 +213,7 @@ class NodeKv:
     """One node's L1 and L2 as the simulator drives them (see the module docstring)."""
 
     __slots__ = (
+        "_pins",
         "demoted",
         "directory",
         "dropped",
@@ -247,6 +245,9 @@ class NodeKv:
         self.l1_capacity = l1_capacity
         self.l2_capacity = l2_capacity
         self.l1_held = self.l2_held = self.reserved = self.pinned = 0
+        # Each running request's pinned leaf, by the request's key: (leaf, its depth in the
+        # request's chain). An unpin re-pins the others' leaves that lie on its chain.
+        self._pins: dict[int, tuple[int, int]] = {}
         self.evicted = self.demoted = self.dropped = 0  # counters, for reports
 
     @property
@@ -290,18 +291,39 @@ class NodeKv:
             self.listener.stored("L1", list(chain[k:]), chain[k - 1] if k else parent)
         return new
 
-    def pin(self, chain: Sequence[int]) -> None:
+    def pin(self, chain: Sequence[int], key: int | None = None) -> None:
         """Pins `chain`, which this node holds in L1: only its leaf needs the far-future time
         (eviction takes leaves, so the leaf shields its ancestors), and re-storing one held
-        block sets it in O(1) where a `touch` walks the whole chain."""
+        block sets it in O(1) where a `touch` walks the whole chain. `key` names the request
+        (its id): its leaf is remembered, so that another request's unpin leaves it pinned."""
         if chain:
             parent = chain[-2] if len(chain) > 1 else None
             self.directory.store(self.node, "L1", chain[-1:], parent, PIN_TIME)
+            if key is not None:
+                self._pins[key] = (chain[-1], len(chain) - 1)
 
-    def unpin(self, chain: Sequence[int], now: float) -> None:
-        """The request is done with `chain`: every block it read was used `now` (LRU)."""
-        if chain:
-            self.directory.touch(self.node, chain, now)
+    def pinned_to(self, key: int, chain: Sequence[int], end: int) -> None:
+        """Request `key` now pins `chain[:end]`, whose blocks the caller stored at `PIN_TIME`
+        (its prefetch, prefill or KV arrival extended what it pins)."""
+        if end > 0:
+            self._pins[key] = (chain[end - 1], end - 1)
+
+    def unpin(self, chain: Sequence[int], now: float, key: int | None = None) -> None:
+        """The request is done with `chain`: every block it read was used `now` (LRU).
+
+        The touch also gives the real time to the leaf of any other running request that lies
+        on `chain` (a request whose prompt is a prefix of this one, or the same): those leaves
+        are pinned again, else an eviction could take a prefix a running request reads."""
+        if key is not None:
+            self._pins.pop(key, None)
+        if not chain:
+            return
+        self.directory.touch(self.node, chain, now)
+        n = len(chain)
+        for leaf, depth in self._pins.values():
+            if depth < n and chain[depth] == leaf:
+                parent = chain[depth - 1] if depth else None
+                self.directory.store(self.node, "L1", [leaf], parent, PIN_TIME)
 
     def fit(self, now: float) -> None:
         """Evicts until `used <= l1_capacity` (after a store landed on blocks it had not
@@ -316,6 +338,7 @@ class NodeKv:
         assert self.pinned == 0, "only an idle node is cleared"
         self.directory.clear(self.node)
         self.l1_held = self.l2_held = 0
+        self._pins.clear()
         if self.listener is not None:
             self.listener.cleared()
 

@@ -259,11 +259,11 @@ class Node:
         return req.prefetched
 
     def _prefetch(self, req: SimRequest, l1: int, l12: int, pool: int, c: int, now: float) -> None:
-        if c > l1 and self._reserve_pinned(req.hashes, l1, c - l1, now):
+        if c > l1 and self._reserve_pinned(req, l1, c - l1, now):
             self._take_cached(req, l1, l12, pool, c, now)
             req.prefetched = True
 
-    def _reserve_pinned(self, hashes: list[int], l1: int, need: int, now: float) -> bool:
+    def _reserve_pinned(self, req: SimRequest, l1: int, need: int, now: float) -> bool:
         """Pins the prompt's `l1` leading L1 blocks, then reserves `need` more (the eviction
         that makes room must not take the very prefix the request is about to read); on
         failure nothing changes."""
@@ -272,7 +272,7 @@ class Node:
         if not kv.room(need):
             kv.pinned -= l1
             return False
-        kv.pin(hashes[:l1])
+        kv.pin(req.hashes[:l1], req.id)
         kv.reserve(need, now)
         return True
 
@@ -283,6 +283,7 @@ class Node:
         h, kv = req.hashes, self.kv
         if c > l1:
             kv.store(h[l1:c], h[l1 - 1] if l1 else None, PIN_TIME)
+            kv.pinned_to(req.id, h, c)
             kv.reserved -= c - l1
             seconds = self.fetch_seconds(l1, l12, pool, c)
             req.fetch_ready = now + seconds
@@ -304,7 +305,7 @@ class Node:
         else:
             l1, l12, pool, c = self.reach(req.hashes)
             need = total - l1
-            if not self._reserve_pinned(req.hashes, l1, need, now):
+            if not self._reserve_pinned(req, l1, need, now):
                 return False
             self._take_cached(req, l1, l12, pool, c, now)
             req.res_p = need - (c - l1)
@@ -324,7 +325,7 @@ class Node:
         released = False
         for r in list(self.queue)[1:]:
             if r.prefetched:
-                self.kv.unpin(r.hashes, now)
+                self.kv.unpin(r.hashes, now, r.id)
                 self.kv.pinned -= r.pin_p
                 r.pin_p = 0
                 r.prefetched = False
@@ -391,6 +392,7 @@ class Node:
     def _complete_prefill(self, req: SimRequest, now: float) -> None:
         h, c, kv = req.hashes, req.cached_blocks, self.kv
         kv.store(h[c:], h[c - 1] if c else None, PIN_TIME)
+        kv.pinned_to(req.id, h, len(h))
         kv.reserved -= req.res_p
         req.res_p = 0
         kv.pinned += len(h) - c
@@ -401,7 +403,7 @@ class Node:
     def release(self, req: SimRequest, now: float, kick: bool = True) -> None:
         """The request's KV has left this prefill node: unpin its prompt. `kick=False` leaves
         the queue alone (the caller pins what it still needs first, then kicks)."""
-        self.kv.unpin(req.hashes, now)
+        self.kv.unpin(req.hashes, now, req.id)
         self.kv.pinned -= req.pin_p
         req.pin_p = 0
         if kick:
@@ -436,7 +438,7 @@ class Node:
             req.decode_node = self.id
             return True
         # `_admit_decode` changed nothing: pin the prompt again as its prefill left it.
-        self.kv.pin(req.hashes)
+        self.kv.pin(req.hashes, req.id)
         self.kv.pinned += pins
         req.pin_p = pins
         return False
@@ -448,7 +450,7 @@ class Node:
     def _admit_decode(self, req: SimRequest, now: float) -> bool:
         h, kv = req.hashes, self.kv
         total = self._blocks(req)
-        # NOTE: whatever prefix h_d <= len(h) this node holds, `_reserve_pinned(h, h_d, total -
+        # NOTE: whatever prefix h_d <= len(h) this node holds, `_reserve_pinned(req, h_d, total -
         # h_d)` fits only if total <= free + max(l1_held - pinned, len(h)): when even that
         # fails (a saturated node retried at every finish), skip the match, which walks the
         # whole prompt, and refuse as `_reserve_pinned` would (it changes nothing then).
@@ -456,7 +458,7 @@ class Node:
             return False
         h_d = self.directory.match(h).node(self.id)[0] if h else 0
         need = total - h_d
-        if not self._reserve_pinned(h, h_d, need, now):
+        if not self._reserve_pinned(req, h_d, need, now):
             return False
         req.pin_d, req.res_d, req.h_d = h_d, need, h_d
         self.inbound += 1
@@ -496,7 +498,7 @@ class Node:
         self.held_s, self.held_tokens = 0.0, 0
         for r in out:
             if r.prefetched:
-                self.kv.unpin(r.hashes, now)
+                self.kv.unpin(r.hashes, now, r.id)
                 self.kv.pinned -= r.pin_p
                 r.pin_p = 0
                 r.prefetched = False
@@ -511,6 +513,7 @@ class Node:
         """The request's KV is here: it joins the batch (after the span in flight, if any)."""
         h, hd, kv = req.hashes, req.h_d, self.kv
         kv.store(h[hd:], h[hd - 1] if hd else None, PIN_TIME)
+        kv.pinned_to(req.id, h, len(h))
         moved = len(h) - hd
         kv.reserved -= moved
         req.res_d -= moved
@@ -582,7 +585,7 @@ class Node:
         """Decode done: the prompt and the response stay cached here for the next turn."""
         h, kv = req.hashes, self.kv
         n = len(h)
-        kv.unpin(h, now)
+        kv.unpin(h, now, req.id)
         if n:
             nxt = self.env.next_hashes(req)
             end = (req.prompt_tokens + req.output_tokens) // self.s.block_size

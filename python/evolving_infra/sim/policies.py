@@ -5,12 +5,14 @@
 | `evolving` | `routing.evolving` | `planner.evolving` | branch-aware | yes | yes | yes |
 | `dynamo` | `routing.dynamo` | `planner.dynamo`, target `throughput` | LRU | no | no | no |
 | `dynamo-load` | as `dynamo` | `planner.dynamo`, the SLA loop | LRU | no | no | no |
+| `dynamo-hicache` | `routing.dynamo`, shared x 0.5 | as `dynamo` | LRU | yes | no | no |
 | `arrow` | `routing.least_loaded` | `planner.arrow` | LRU | yes | no | no |
 | `static:xPyD` | as `evolving` | none (fixed split) | as `evolving` |  |  |  |
 
 `best-static` is not a policy but a comparison: every split run as `static` (`run.compare`);
-`best-dynamo-static` and `best-arrow-static` the same on Dynamo's and Arrow's infrastructure
-(`dynamo-static:xPyD`, `arrow-static:xPyD`: their routing, eviction and pool, no planner).
+`best-dynamo-static`, `best-dynamo-hicache-static` and `best-arrow-static` the same on Dynamo's
+(without and with HiCache) and Arrow's infrastructure (`dynamo-static:xPyD`, ...: their
+routing, eviction and pool, no planner).
 
 The switch mode comes with the planner (`Planner.switch_mode`). Policy classes are imported
 inside the factories: the simulator imports without them, and a test may hand in its own.
@@ -100,6 +102,13 @@ def _dynamo_router(ctx: PolicyContext) -> Router:
     return DynamoRouter(block_size=ctx.block_size)
 
 
+def _dynamo_hicache_router(ctx: PolicyContext) -> Router:
+    from evolving_infra.routing.dynamo import DynamoRouter
+
+    # `--shared-cache-type hicache`: shared blocks beyond the worker's own earn x 0.5.
+    return DynamoRouter(block_size=ctx.block_size, count_shared_cache=True)
+
+
 def _least_loaded_router(ctx: PolicyContext) -> Router:
     from evolving_infra.routing.least_loaded import LeastLoadedRouter
 
@@ -173,20 +182,33 @@ EVOLVING = PolicySpec(
 )
 DYNAMO = PolicySpec("dynamo", _dynamo_router, _dynamo_planner, "lru", False, False, False)
 DYNAMO_LOAD = replace(DYNAMO, name="dynamo-load", planner=_dynamo_load_planner)
+# Dynamo with SGLang's HiCache and a Mooncake store, as Dynamo's HiCache guide deploys it (opt-in,
+# docs/baselines.md §4): every worker reads blocks any worker stored (the simulator's shared
+# pool: with HiCache's write-through policy what one worker caches is in the store), and the
+# router credits them.
+DYNAMO_HICACHE = replace(
+    DYNAMO, name="dynamo-hicache", router=_dynamo_hicache_router, shared_pool=True
+)
 ARROW = PolicySpec("arrow", _least_loaded_router, _arrow_planner, "lru", True, False, False)
-NAMED = {p.name: p for p in (EVOLVING, DYNAMO, DYNAMO_LOAD, ARROW)}
+NAMED = {p.name: p for p in (EVOLVING, DYNAMO, DYNAMO_LOAD, DYNAMO_HICACHE, ARROW)}
 
 
 # A static split on a baseline's own infrastructure (its router, eviction, pool and gate, no
 # planner): what that system reaches at its best split, so that the planner's worth and the
 # infrastructure's are told apart (issue 24). `static:xPyD` is Evolving Infra's.
-STATIC_ON = {"static": None, "dynamo-static": DYNAMO, "arrow-static": ARROW}
+STATIC_ON = {
+    "static": None,
+    "dynamo-static": DYNAMO,
+    "dynamo-hicache-static": DYNAMO_HICACHE,
+    "arrow-static": ARROW,
+}
 
 
 # Every split of the cluster on one infrastructure, the best reported (`run.compare`).
 SWEEPS = {
     "best-static": "static",
     "best-dynamo-static": "dynamo-static",
+    "best-dynamo-hicache-static": "dynamo-hicache-static",
     "best-arrow-static": "arrow-static",
 }
 

@@ -51,10 +51,10 @@ from evolving_infra.workloads import generators
 from evolving_infra.workloads.model import Trace
 
 CLAUDE_CODE = "claude-code"  # a workload kind: sessions drawn from the bundled real traces
-BASELINES = ("evolving", "dynamo", "dynamo-load", "arrow")
-# Best static splits on Evolving Infra's infrastructure and on Dynamo's (docs/baselines.md):
-# the planner's worth and the infrastructure's, told apart.
-SWEEPS = (BEST_STATIC, "best-dynamo-static")
+BASELINES = ("evolving", "dynamo", "dynamo-load", "dynamo-hicache", "arrow")
+# Best static splits on Evolving Infra's infrastructure and on Dynamo's, without and with its
+# shared tier (docs/baselines.md): the planner's worth and the infrastructure's, told apart.
+SWEEPS = (BEST_STATIC, "best-dynamo-static", "best-dynamo-hicache-static")
 FULL_DURATION = 3600.0  # the paper reports simulated hours
 QUICK_DURATION = 600.0
 QUICK_GPUS = 16

@@ -441,7 +441,7 @@ class EngineCore:
         """Undoes a decode admission whose KV never came (the inverse of `Node.offer`'s
         reservation; the simulator never needs it: its transfers cannot fail)."""
         sim, node, kv, now = live.sim, self.node, self.kv, self.env.now
-        kv.unpin(sim.hashes[: sim.h_d], now)
+        kv.unpin(sim.hashes[: sim.h_d], now, sim.id)
         kv.pinned -= sim.pin_d
         kv.reserved -= sim.res_d
         sim.pin_d = sim.res_d = 0
