@@ -122,7 +122,7 @@ def test_held_bootstrap_requests_are_not_prefill_demand() -> None:
                 assert sample.queued_prefill_s == n.prefill_demand_s()
                 assert sample.queued_prefill_tokens == n.waiting_prefill_tokens()
             else:
-                assert sample.kv_demand == n.decode_kv_demand()
+                assert sample.kv_used == n.kv_use()
 
     cluster.run(check=check)
     assert seen["held"] > 0

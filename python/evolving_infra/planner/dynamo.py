@@ -119,9 +119,16 @@ class DynamoPlanner(PlannerGate):
         queued = s.max_queued_prefill_tokens / self.context_length
         kv = s.max_decode_kv_demand
         return (
-            _direction(queued >= PREFILL_UP, queued, PREFILL_DOWN, PREFILL_UP, split.prefill, self),
-            _direction(kv > DECODE_UP, kv, DECODE_DOWN, DECODE_UP, split.decode, self),
+            self._direction(queued >= PREFILL_UP, queued, PREFILL_DOWN, PREFILL_UP, split.prefill),
+            self._direction(kv > DECODE_UP, kv, DECODE_DOWN, DECODE_UP, split.decode),
         )
+
+    def _direction(self, up: bool, value: float, down: float, up_at: float, ready: int) -> int:
+        """+1 when the phase's threshold says grow, -1 when it says shrink and the consolidation
+        guard lets it, else 0."""
+        if up:
+            return 1
+        return -1 if value < down and may_shrink(value, ready, up_at, self.min_nodes) else 0
 
     def estimates(self, s: SliceStats, model: IterationModel) -> tuple[float, float]:
         """(estimated TTFT, estimated ITL) in seconds for the slice's mean engine (`load`)."""
@@ -156,13 +163,3 @@ class DynamoPlanner(PlannerGate):
         if mean is None:
             return prefill_seconds(model, max(s.mean_input_tokens, 1.0), 0.0, self.chunk_tokens)
         return prefill_seconds(model, mean.uncached, mean.cached, self.chunk_tokens)
-
-
-def _direction(
-    up: bool, value: float, down: float, up_at: float, ready: int, p: DynamoPlanner
-) -> int:
-    """+1 when the phase's threshold says grow, -1 when it says shrink and the consolidation
-    guard lets it, else 0."""
-    if up:
-        return 1
-    return -1 if value < down and may_shrink(value, ready, up_at, p.min_nodes) else 0

@@ -30,9 +30,6 @@ class NodeSample:
     kv_used: float
     # Uncached prompt tokens waiting in the prefill queue, not started (prefill nodes).
     queued_prefill_tokens: int = 0
-    # Dynamo's decode signal (decode nodes): the KV of the running batch and of requests
-    # preempted back to the waiting queue, over L1 (above 1 when those do not fit).
-    kv_demand: float = 0.0
 
 
 class Slices:
@@ -54,7 +51,10 @@ class Slices:
         self.queue_sum = 0.0  # Σ over samples of the mean prefill queue (s)
         self.kv_sum = 0.0  # Σ over samples of the mean decode KV use (0..1)
         self.max_queued_prefill = 0  # at the last sample: the busiest prefill node's queue
-        self.max_kv_demand = 0.0  # at the last sample: the fullest decode node's KV demand
+        # At the last sample: the fullest decode node's KV demand. Dynamo's signal adds the KV of
+        # requests preempted back to the waiting queue; neither driver's engines preempt (or
+        # report it), so it is the running batch's KV use, `kv_used`.
+        self.max_kv_demand = 0.0
 
     def arrival(self, prompt: int, uncached: int, cached: int) -> None:
         self.requests += 1
@@ -82,7 +82,7 @@ class Slices:
             len(prefill),
             sum(max(n.queued_prefill_s, 0.0) for n in prefill),
             max((n.queued_prefill_tokens for n in prefill), default=0),
-            max((n.kv_demand for n in decode), default=0.0),
+            max((n.kv_used for n in decode), default=0.0),
         )
 
     def add_sample(

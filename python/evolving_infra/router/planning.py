@@ -91,23 +91,19 @@ class LivePlanner:
             if e.state == "down":
                 continue
             load = d.loads.loads.get(e.node)
-            kv_used = (
-                min(load.kv_used_blocks / e.kv_capacity_blocks, 1.0)
-                if load and e.kv_capacity_blocks
-                else 0.0
-            )
             out.append(
                 NodeSample(
                     phase=e.phase,
                     queued_prefill_s=load.queued_prefill_s if load else 0.0,
                     decoding=load.decode_requests if load else 0,
                     context_tokens=load.decode_context if load else 0,
-                    kv_used=kv_used,
+                    kv_used=min(load.kv_used_blocks / e.kv_capacity_blocks, 1.0)
+                    if load and e.kv_capacity_blocks
+                    else 0.0,
                     # NOTE: the router counts a request from dispatch, so these include what
                     # waits in an engine's bootstrap and prealloc queues (the simulator's do
                     # not): the live engines do not report those queues apart yet.
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
-                    kv_demand=kv_used,  # the engines report no preempted requests apart
                 )
             )
         return out

@@ -155,13 +155,13 @@ class Node:
         started = sum(r.remaining for r in self.running)
         return max(self.queued_tokens - self.held_tokens - started, 0)
 
-    def decode_kv_demand(self) -> float:
-        """KV of the running batch over L1: Dynamo's decode signal, scheduled + queued KV over
-        the cache, where "queued" are requests preempted back to the waiting queue (its
-        `ForwardPassMetrics`, docs/baselines.md §2a). A simulated decode node never preempts
+    def kv_use(self) -> float:
+        """KV in use by running requests over L1, 0..1 (an engine's token usage; the cache that
+        fills the rest is evictable). It is also Dynamo's decode signal, scheduled + queued KV
+        over the cache, "queued" being requests preempted back to the waiting queue (its
+        `ForwardPassMetrics`, docs/baselines.md §2a): a simulated decode node never preempts
         (it admits a request only once its KV fits), and requests waiting for their KV to be
-        allocated (`waiting`, SGLang's prealloc queue) are in no scheduler queue, so neither
-        counts: the signal stays at or below 1."""
+        allocated (`waiting`, SGLang's prealloc queue) are in no scheduler queue."""
         kv = self.kv
         return min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity
 

@@ -35,12 +35,12 @@ def sample_nodes(slices: Slices, nodes: Sequence[Node]) -> None:
         if n.state == "down":
             continue
         if n.phase == "decode":
-            kv = n.kv
+            used = n.kv_use()
             decode += 1
             decoding += len(n.batch)
             context += n.batch_context
-            kv_used += min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity
-            max_demand = max(max_demand, n.decode_kv_demand())
+            kv_used += used
+            max_demand = max(max_demand, used)
         else:
             prefill += 1
             queued += n.prefill_demand_s()
@@ -54,16 +54,14 @@ def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
     for n in nodes:
         if n.state == "down":
             continue
-        kv = n.kv
         out.append(
             NodeSample(
                 phase=n.phase,
                 queued_prefill_s=n.prefill_demand_s(),
                 decoding=len(n.batch),
                 context_tokens=n.batch_context,
-                kv_used=min(kv.reserved + kv.pinned, kv.l1_capacity) / kv.l1_capacity,
+                kv_used=n.kv_use(),
                 queued_prefill_tokens=n.waiting_prefill_tokens() if n.phase == "prefill" else 0,
-                kv_demand=n.decode_kv_demand() if n.phase == "decode" else 0.0,
             )
         )
     return out

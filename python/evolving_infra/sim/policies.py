@@ -204,13 +204,9 @@ STATIC_ON = {
 }
 
 
-# Every split of the cluster on one infrastructure, the best reported (`run.compare`).
-SWEEPS = {
-    "best-static": "static",
-    "best-dynamo-static": "dynamo-static",
-    "best-dynamo-hicache-static": "dynamo-hicache-static",
-    "best-arrow-static": "arrow-static",
-}
+# Every split of the cluster on one infrastructure, the best reported (`run.compare`):
+# `best-static`, `best-dynamo-static`, ...
+SWEEPS = {f"best-{infra}": infra for infra in STATIC_ON}
 
 
 def static_on(infra: str, split: Split) -> PolicySpec:

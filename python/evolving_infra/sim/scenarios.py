@@ -54,7 +54,7 @@ CLAUDE_CODE = "claude-code"  # a workload kind: sessions drawn from the bundled 
 BASELINES = ("evolving", "dynamo", "dynamo-load", "dynamo-hicache", "arrow")
 # Best static splits on Evolving Infra's infrastructure and on Dynamo's, without and with its
 # shared tier (docs/baselines.md): the planner's worth and the infrastructure's, told apart.
-SWEEPS = (BEST_STATIC, "best-dynamo-static", "best-dynamo-hicache-static")
+STATIC_SWEEPS = (BEST_STATIC, "best-dynamo-static", "best-dynamo-hicache-static")
 FULL_DURATION = 3600.0  # the paper reports simulated hours
 QUICK_DURATION = 600.0
 QUICK_GPUS = 16
@@ -162,8 +162,8 @@ def _level(kind: str, level: str) -> Callable[[Size], list[ScenarioRun]]:
         gpus = QUICK_GPUS if size.quick else 36
         d = size.seconds(FULL_DURATION, QUICK_DURATION)
         w = Workload(workload_kind, size.agents(agents_36 * gpus / 36), d)
-        run = ScenarioRun(f"{kind}-{level}", w, _config(gpus, size, d), (*BASELINES, *SWEEPS))
-        return [run]
+        policies = (*BASELINES, *STATIC_SWEEPS)
+        return [ScenarioRun(f"{kind}-{level}", w, _config(gpus, size, d), policies)]
 
     return build
 
@@ -173,7 +173,7 @@ def _shift(size: Size) -> list[ScenarioRun]:
     # The mix needs time to move and the planner 3+ one-minute slices to see each phase.
     d = size.seconds(FULL_DURATION, 900.0)
     w = Workload("shift", size.agents(SHIFT_AGENTS * gpus / 36), d)
-    return [ScenarioRun("shift", w, _config(gpus, size, d), (*BASELINES, *SWEEPS))]
+    return [ScenarioRun("shift", w, _config(gpus, size, d), (*BASELINES, *STATIC_SWEEPS))]
 
 
 INITIAL_SPLITS = (Split(3, 6), Split(4, 5), Split(5, 4), Split(6, 3))
