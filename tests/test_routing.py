@@ -36,8 +36,9 @@ def load(
     requests: int = 0,
     used: int = 0,
     capacity: int = 10_000,
+    active: int = 0,
 ) -> NodeLoad:
-    return NodeLoad(node, phase, accepting, queue_s, queue_tokens, requests, used, capacity)
+    return NodeLoad(node, phase, accepting, queue_s, queue_tokens, requests, used, capacity, active)
 
 
 def chain(n: int, seed: int = 0) -> list[int]:
@@ -157,18 +158,20 @@ def dynamo_cluster() -> tuple[KvDirectory, RouteRequest, list[NodeLoad]]:
     d.store(0, "L1", h[:6])  # device overlap 6
     d.store(1, "L1", h[:4])  # device overlap 4, host overlap 4
     d.store(1, "L2", h[4:8], parent=h[3])
+    # `used` (the engine's KV, generated tokens included) differs from `active` (the prompt
+    # blocks Dynamo's router tracks): its cost reads only the latter.
     nodes = [
-        load(0, queue_tokens=320, used=50),
-        load(1, queue_tokens=0, used=70),
-        load(2, queue_tokens=64, used=60),
-        load(3, "decode", used=0),
+        load(0, queue_tokens=320, active=50, used=500),
+        load(1, queue_tokens=0, active=70, used=0),
+        load(2, queue_tokens=64, active=60, used=90),
+        load(3, "decode", active=0),
     ]
     return d, RouteRequest(h, prompt_tokens=150), nodes
 
 
 def test_dynamo_cost_matches_the_formula() -> None:
     d, req, nodes = dynamo_cluster()
-    # raw = (queued + 150) / 16; credit = l1 + 0.75 (l12 - l1); decode = used + ceil(150/16)
+    # raw = (queued + 150) / 16; credit = l1 + 0.75 (l12 - l1); decode = active + ceil(150/16)
     # node 0: raw 470/16 = 29.375, credit 6,  adjusted 23.375, decode 60
     # node 1: raw 150/16 =  9.375, credit 7,  adjusted  2.375, decode 80
     # node 2: raw 214/16 = 13.375, credit 0,  adjusted 13.375, decode 70
@@ -185,16 +188,37 @@ def test_dynamo_cost_matches_the_formula() -> None:
     assert flat.costs(req, nodes, d)[1] == 81.375
 
 
-def test_dynamo_clamps_the_prefill_term_and_breaks_ties_by_id() -> None:
+def test_dynamo_clamps_the_prefill_term() -> None:
     h = chain(9, seed=4)
     d = KvDirectory()
     d.store(2, "L1", h)
     req = RouteRequest(h, prompt_tokens=144)  # exactly 9 blocks
     r = DynamoRouter(block_size=BS, overlap_score_credit=2.0)  # credit 18 > raw 9
-    nodes = [load(1, used=9), load(2, used=9)]
+    nodes = [load(1, active=9), load(2, active=9)]
     assert r.costs(req, nodes, d) == {1: 9.0 + 18.0, 2: 0.0 + 18.0}
-    # Equal costs: the lowest id (temperature 0, no sampling).
-    assert r.choose_prefill(req, [load(4, used=5), load(3, used=5)], d) == 3
+
+
+def test_dynamo_breaks_ties_at_random_and_reproducibly() -> None:
+    """Temperature 0: equal costs are drawn uniformly (reservoir sampling upstream); a node
+    that costs more is never chosen; the same seed draws the same nodes."""
+    h = chain(9, seed=4)
+    d = KvDirectory()
+    req = RouteRequest(h, prompt_tokens=144)
+    prefill = [load(4, active=5), load(3, active=5), load(5, active=6), load(6, active=5)]
+    decode = [load(n, "decode", active=a, used=u) for n, a, u in [(7, 2, 90), (8, 2, 0), (9, 3, 0)]]
+
+    def draws(seed: int) -> tuple[list[int], list[int]]:
+        r = DynamoRouter(block_size=BS, seed=seed)
+        p = [r.choose_prefill(req, prefill, d) for _ in range(600)]
+        return p, [r.choose_decode(req, decode, d) for _ in range(600)]
+
+    p, dec = draws(0)
+    assert set(p) == {3, 4, 6}
+    assert all(150 < p.count(n) < 250 for n in (3, 4, 6))
+    assert set(dec) == {7, 8}
+    assert 240 < dec.count(7) < 360
+    assert draws(0) == (p, dec)
+    assert draws(1) != (p, dec)
 
 
 def test_dynamo_shared_cache_credit_is_off_unless_asked() -> None:
@@ -211,13 +235,13 @@ def test_dynamo_shared_cache_credit_is_off_unless_asked() -> None:
 def test_dynamo_decode_is_the_fewest_active_blocks() -> None:
     d, req, _ = dynamo_cluster()
     nodes = [
-        load(4, "decode", used=300, requests=1),
-        load(5, "decode", used=120, requests=9),
-        load(6, "decode", used=120, requests=4),
-        load(7, "decode", used=0, accepting=False),
-        load(8, used=0),
+        load(4, "decode", active=300, requests=1),
+        load(5, "decode", active=120, used=900, requests=9),
+        load(6, "decode", active=121, used=0, requests=4),
+        load(7, "decode", active=0, accepting=False),
+        load(8, active=0),
     ]
-    assert DynamoRouter(block_size=BS).choose_decode(req, nodes, d) == 6
+    assert DynamoRouter(block_size=BS).choose_decode(req, nodes, d) == 5
 
 
 # -- least-loaded and the registry ------------------------------------------------------------

@@ -55,6 +55,7 @@ def random_load(rng: random.Random, node: int) -> NodeLoad:
         decode_requests=rng.randint(0, 3),
         kv_used_blocks=min(rng.choice([0, 50, 100, 190, 200, 400]), capacity),
         kv_capacity_blocks=capacity,
+        active_blocks=rng.choice([0, 0, 7, 50, 51, 120]),
     )
 
 
@@ -74,7 +75,12 @@ def test_every_index_chooses_as_its_router(seed: int) -> None:
     rng = random.Random(seed)
     nodes = 40
     chain = [rng.getrandbits(62) for _ in range(12)]
-    pairs: list[tuple[Router, LoadIndex]] = [(r, r.index()) for r in routers()]  # type: ignore[attr-defined]
+    # Each stateless router against its twin's index: a router that draws among ties (Dynamo's)
+    # must draw the same node from the same seed on either path.
+    pairs: list[tuple[Router, LoadIndex]] = [
+        (r, twin.index())  # type: ignore[attr-defined]
+        for r, twin in zip(routers(), routers(), strict=True)
+    ]
     views = [random_load(rng, n) for n in range(nodes)]
     for index in (i for _, i in pairs):
         for v in views:

@@ -8,6 +8,8 @@ nodes' own, which catches a change the cluster forgot to mark.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -40,23 +42,46 @@ class Checked(LoadIndex):
         return n
 
     def _views(self, phase: str) -> list[NodeLoad]:
+        for n in self.cluster.nodes:  # Dynamo's load unit, kept as requests come and go
+            bs = n.s.block_size
+            if n.phase == "prefill" and n.state != "down":
+                reqs = [*n.queue, *n.running, *n.held.values()]
+                assert n.active_blocks == sum(-(-r.prompt_tokens // bs) for r in reqs)
+            elif n.phase == "decode":
+                reqs = [*n.batch, *n.joining, *n.waiting]
+                # ... and the `inbound` ones, whose KV is in transfer (no list of them).
+                assert n.active_blocks >= sum(-(-r.prompt_tokens // bs) for r in reqs)
         fresh = self.cluster._loads(phase)
         assert [x for x in fresh if x.accepting] == self.inner.members(phase)  # type: ignore[arg-type]
         return fresh
 
-    def choose_prefill(
-        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
-    ) -> int:
-        want = self.cluster.router.choose_prefill(request, self._views("prefill"), directory)
-        assert self.inner.choose_prefill(request, directory, match) == want
+    def _both(self, stateless: Callable[[], int], indexed: Callable[[], int]) -> int:
+        """Both answers, from the same random state when the router draws among ties (the
+        index shares its router's generator): the same node and the same draws."""
+        rng: random.Random | None = getattr(self.cluster.router, "rng", None)
+        before = rng.getstate() if rng is not None else None
+        want = stateless()
+        after = rng.getstate() if rng is not None else None
+        if rng is not None:
+            rng.setstate(before)  # type: ignore[arg-type]
+        assert indexed() == want
+        assert (rng.getstate() if rng is not None else None) == after
         self.choices += 1
         return want
 
+    def choose_prefill(
+        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
+    ) -> int:
+        return self._both(
+            lambda: self.cluster.router.choose_prefill(request, self._views("prefill"), directory),
+            lambda: self.inner.choose_prefill(request, directory, match),
+        )
+
     def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
-        want = self.cluster.router.choose_decode(request, self._views("decode"), directory)
-        assert self.inner.choose_decode(request, directory) == want
-        self.choices += 1
-        return want
+        return self._both(
+            lambda: self.cluster.router.choose_decode(request, self._views("decode"), directory),
+            lambda: self.inner.choose_decode(request, directory),
+        )
 
 
 @pytest.mark.parametrize(

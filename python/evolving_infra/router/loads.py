@@ -38,6 +38,7 @@ class NodeWork:
     decode_requests: int = 0
     decode_context: int = 0  # prompt tokens of the requests decoding (the planner's context)
     kv_used_blocks: int = 0
+    active_blocks: int = 0  # prompt blocks of the requests in flight here (`NodeLoad`)
 
     @property
     def in_flight(self) -> float:
@@ -54,27 +55,31 @@ class LoadTracker:
     def _get(self, node: int) -> NodeWork:
         return self.loads.setdefault(node, NodeWork())
 
-    def add_prefill(self, node: int, seconds: float, tokens: int) -> None:
+    def add_prefill(self, node: int, seconds: float, tokens: int, prompt_blocks: int) -> None:
         load = self._get(node)
         load.queued_prefill_s += seconds
         load.queued_prefill_tokens += tokens
+        load.active_blocks += prompt_blocks
 
-    def done_prefill(self, node: int, seconds: float, tokens: int) -> None:
+    def done_prefill(self, node: int, seconds: float, tokens: int, prompt_blocks: int) -> None:
         load = self._get(node)
         load.queued_prefill_s = max(load.queued_prefill_s - seconds, 0.0)
         load.queued_prefill_tokens = max(load.queued_prefill_tokens - tokens, 0)
+        load.active_blocks = max(load.active_blocks - prompt_blocks, 0)
 
-    def add_decode(self, node: int, blocks: int, context: int) -> None:
+    def add_decode(self, node: int, blocks: int, context: int, prompt_blocks: int) -> None:
         load = self._get(node)
         load.decode_requests += 1
         load.decode_context += context
         load.kv_used_blocks += blocks
+        load.active_blocks += prompt_blocks
 
-    def done_decode(self, node: int, blocks: int, context: int) -> None:
+    def done_decode(self, node: int, blocks: int, context: int, prompt_blocks: int) -> None:
         load = self._get(node)
         load.decode_requests = max(load.decode_requests - 1, 0)
         load.decode_context = max(load.decode_context - context, 0)
         load.kv_used_blocks = max(load.kv_used_blocks - blocks, 0)
+        load.active_blocks = max(load.active_blocks - prompt_blocks, 0)
 
     def used_blocks(self, node: int) -> int:
         load = self.loads.get(node)
@@ -99,6 +104,7 @@ class LoadTracker:
                     decode_requests=load.decode_requests,
                     kv_used_blocks=used,
                     kv_capacity_blocks=e.kv_capacity_blocks,
+                    active_blocks=load.active_blocks,
                 )
             )
         return out

@@ -360,8 +360,9 @@ class PdDispatcher:
         assert me is not None
         for node in {p.node, d.node}:
             self._inflight.setdefault(node, set()).add(me)
-        self.loads.add_prefill(p.node, place.prefill_s, place.uncached)
-        self.loads.add_decode(d.node, place.decode_blocks, len(req.token_ids))
+        prompt = blocks_for(len(req.token_ids), self.page_size)
+        self.loads.add_prefill(p.node, place.prefill_s, place.uncached, prompt)
+        self.loads.add_decode(d.node, place.decode_blocks, len(req.token_ids), prompt)
         if self.slices is not None:
             t = len(req.token_ids)
             self.slices.arrival(t, place.uncached, t - place.uncached)
@@ -371,7 +372,7 @@ class PdDispatcher:
             nonlocal prefill_open
             if prefill_open:
                 prefill_open = False
-                self.loads.done_prefill(p.node, place.prefill_s, place.uncached)
+                self.loads.done_prefill(p.node, place.prefill_s, place.uncached, prompt)
 
         if self.on_dispatch is not None and attempt == 0:
             # The router's own cost: the time held by the gate is queueing, not overhead.
@@ -428,7 +429,7 @@ class PdDispatcher:
                         await task
             await stream.aclose()
             prefill_done()
-            self.loads.done_decode(d.node, place.decode_blocks, len(req.token_ids))
+            self.loads.done_decode(d.node, place.decode_blocks, len(req.token_ids), prompt)
             self._room_changed()
             for node in {p.node, d.node}:
                 self._inflight[node].discard(me)

@@ -27,6 +27,12 @@ class NodeLoad:
     decode_requests: int  # requests in its running decode batch
     kv_used_blocks: int  # L1 blocks in use by running requests
     kv_capacity_blocks: int  # L1 capacity in blocks
+    # Prompt blocks of the requests the router sent here and has not seen leave (a prefill
+    # node: until their prefill completes; a decode node: until they finish), counted whole
+    # (`ceil(prompt / block)`), generated tokens not counted: Dynamo's router-tracked
+    # `active_blocks` with its default `router_track_output_blocks=false` (docs/baselines.md
+    # §3), the load unit of its cost.
+    active_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

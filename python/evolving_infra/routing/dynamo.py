@@ -10,26 +10,37 @@ divided by the block size as a float; the request's own blocks rounded up, `isl.
                             + host_overlap · host_credit (0.75)
                             + shared_beyond · shared_cache_multiplier (0.5)
     adjusted_prefill_blocks = max(raw_prefill_blocks - overlap_credit_blocks, 0)
-    decode_blocks           = active_decode_blocks + ceil(prompt_tokens / block_size)
+    decode_blocks           = active_blocks + ceil(prompt_tokens / block_size)
     cost = prefill_load_scale · adjusted_prefill_blocks + decode_blocks
+
+`active_blocks` is Dynamo's own load unit (`NodeLoad.active_blocks`): the prompt blocks of the
+requests the router sent to the worker and has not seen leave, generated tokens not counted
+(`router_track_output_blocks=false`, dynamo-kv-router 1.6.1 `src/scheduling/config.rs:828-831`;
+`potential_decode_blocks`, `selector/mod.rs:256`). NOTE: with `router_assume_kv_reuse` Dynamo
+does not count the request's blocks already active on the worker twice; here the request's
+blocks are always added whole (a shared prefix of two branches in flight on one worker counts
+twice), which can only make its prefill choice a little less sticky.
 
 Device overlap is the leading prompt blocks in the node's L1, host overlap the further leading
 blocks in its L2 (`l12 - l1`). Dynamo's `dynamo` policy in the simulator has no shared cache
 (its KVBM tiers are per worker, docs/simulator.md), so `count_shared_cache` is off by default;
 when on, shared blocks are the pool's leading blocks beyond the node's own (`pool - l12`).
 Disk tiers (x 0.25) do not exist in the simulator. `router_temperature` is 0 (Dynamo's
-default): argmin, ties to the lowest node id, no sampling.
+default): the argmin, equal costs broken uniformly at random (`selector/reference.rs:527-545`,
+reservoir sampling with `fastrand`): here `random.Random(seed)` draws among the tied nodes
+(sorted by id) whenever there is more than one, so a run is reproducible and the stateless
+method and the index draw alike (`pick`).
 
-Decode: in disaggregated serving the decode worker computes no prefill (the KV arrives by
-transfer), so the prefill term carries no information there and overlap earns no credit; the
-cost reduces to `decode_blocks` — the decode worker with the fewest active blocks once the
-request is added, i.e. Dynamo's least-loaded decode worker in its own load unit (ties: fewer
-running requests, then lowest id). Dynamo has no capacity filter by default
-(`active_decode_blocks_threshold` is None), and none is applied here.
+Decode: disaggregated decode routing forces the overlap credit to 0, no KV reuse and no prefill
+tracking (dynamo-llm 1.6.1 `src/kv_router/prefill_router/mod.rs:746-763`), so the cost reduces
+to `decode_blocks` — the decode worker with the fewest active blocks once the request is added,
+ties at random. Dynamo has no capacity filter by default (`active_decode_blocks_threshold` is
+None), and none is applied here.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,7 +48,12 @@ import numpy as np
 from evolving_infra._core import KvDirectory, PrefixMatch
 from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
 from evolving_infra.routing.common import blocks_for, candidates
-from evolving_infra.routing.index import SHIFT, LoadIndex, first_masked, keys
+from evolving_infra.routing.index import LoadIndex, keys, minima
+
+
+def pick(tied: Sequence[int], rng: random.Random) -> int:
+    """One of the tied nodes (ascending ids), uniformly; no draw when there is one."""
+    return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
 
 
 class DynamoRouter:
@@ -54,6 +70,7 @@ class DynamoRouter:
         host_credit: float = 0.75,
         shared_cache_multiplier: float = 0.5,
         count_shared_cache: bool = False,
+        seed: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be > 0")
@@ -63,6 +80,7 @@ class DynamoRouter:
         self.host_credit = host_credit
         self.shared_cache_multiplier = shared_cache_multiplier
         self.count_shared_cache = count_shared_cache
+        self.rng = random.Random(seed)  # ties (router_temperature 0)
 
     def cost(
         self, request: RouteRequest, node: NodeLoad, l1: int, l12: int, pool: int = 0
@@ -76,7 +94,7 @@ class DynamoRouter:
         if self.count_shared_cache:
             credit += max(pool - l12, 0) * self.shared_cache_multiplier
         adjusted = max(raw - credit, 0.0)
-        decode = node.kv_used_blocks + blocks_for(request.prompt_tokens, bs)
+        decode = node.active_blocks + blocks_for(request.prompt_tokens, bs)
         return self.prefill_load_scale * adjusted + decode
 
     def costs(
@@ -96,17 +114,16 @@ class DynamoRouter:
         self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
     ) -> int:
         costs = self.costs(request, nodes, directory)
-        return min(costs, key=lambda node: (costs[node], node))
+        best = min(costs.values())
+        return pick(sorted(n for n, c in costs.items() if c == best), self.rng)
 
     def choose_decode(
         self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
     ) -> int:
-        incoming = blocks_for(request.prompt_tokens, self.block_size)
-        best = min(
-            candidates(nodes, "decode"),
-            key=lambda n: (n.kv_used_blocks + incoming, n.decode_requests, n.node),
-        )
-        return best.node
+        # The request's own blocks add the same to every worker: the fewest active blocks win.
+        cands = candidates(nodes, "decode")
+        best = min(n.active_blocks for n in cands)
+        return pick([n.node for n in cands if n.active_blocks == best], self.rng)
 
     def index(self) -> DynamoIndex:
         return DynamoIndex(self)
@@ -116,13 +133,13 @@ class DynamoIndex(LoadIndex):
     """`DynamoRouter`'s choices kept up to date per node (`routing.index`).
 
     Prefill: a node that holds none of the prompt earns no credit, so its cost is
-    `scale·(queued + prompt)/bs + used + ceil(prompt/bs)`. With scale 1, a power-of-two block
-    size and no shared-cache credit that float is exact, `(queued + bs·used + ...)/bs`, so among
-    such nodes the cost orders as the integer `queued + bs·used` does, whatever the prompt: the
-    best of them is an argmin over a column, with the nodes the match names left out; those few
-    get the formula (`DynamoRouter.cost`), and the least `(cost, node)` wins as in `costs`. Any
-    other setting scans the views with the stateless method. Decode: argmin of the packed
-    `(used, requests)` key (the request's own blocks add the same to every node).
+    `scale·(queued + prompt)/bs + active + ceil(prompt/bs)`. With scale 1, a power-of-two block
+    size and no shared-cache credit that float is exact, `(queued + bs·active + ...)/bs`, so
+    among such nodes the cost orders as the integer `queued + bs·active` does, whatever the
+    prompt, and equal keys are equal costs: the best of them are the minima of a column, with the
+    nodes the match names left out; those few get the formula (`DynamoRouter.cost`). The nodes
+    at the least cost, in id order, are drawn from as in `choose_prefill`. Any other setting
+    scans the views with the stateless method. Decode: the minima of the `active` column.
     """
 
     def __init__(self, router: DynamoRouter) -> None:
@@ -140,8 +157,8 @@ class DynamoIndex(LoadIndex):
     def _key(self, phase: Phase, load: NodeLoad) -> int:
         if phase == "prefill":
             assert load.queued_prefill_tokens >= 0, "queued tokens are a count"
-            return load.queued_prefill_tokens + self.router.block_size * load.kv_used_blocks
-        return load.kv_used_blocks * SHIFT + load.decode_requests
+            return load.queued_prefill_tokens + self.router.block_size * load.active_blocks
+        return load.active_blocks
 
     def _rebuild(self, phase: Phase, loads: list[NodeLoad]) -> None:
         col = np.array([self._key(phase, x) for x in loads], dtype=np.int64)
@@ -164,21 +181,20 @@ class DynamoIndex(LoadIndex):
             match = directory.match(request.hashes)
         pool = match.pool
         slot = self._slot["prefill"]
-        best: tuple[float, int] | None = None
+        costs: dict[int, float] = {}
         held: list[int] = []
         for node, (l1, l12) in match.nodes.items():
             k = slot.get(node)
             if k is not None:
                 held.append(k)
-                c = (r.cost(request, self.loads[node], l1, l12, pool), node)
-                best = c if best is None or c < best else best
-        k = first_masked(self._prefill, held) if held else int(self._prefill.argmin())
-        if k >= 0:
-            node = ids[k]
-            c = (r.cost(request, self.loads[node], 0, 0, pool), node)
-            best = c if best is None or c < best else best
-        assert best is not None
-        return best[1]
+                costs[node] = r.cost(request, self.loads[node], l1, l12, pool)
+        rest = minima(self._prefill, held)
+        if rest:
+            cost = r.cost(request, self.loads[ids[rest[0]]], 0, 0, pool)
+            costs.update((ids[k], cost) for k in rest)
+        best = min(costs.values())
+        return pick(sorted(n for n, c in costs.items() if c == best), r.rng)
 
     def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
-        return self._need("decode")[int(self._decode.argmin())]
+        ids = self._need("decode")
+        return pick([ids[k] for k in minima(self._decode, [])], self.router.rng)

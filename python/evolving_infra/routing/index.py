@@ -6,7 +6,8 @@ metrics), but at 3,072 GPUs (768 nodes) the simulator spent milliseconds per req
 768 views, filtering, sorting and scanning them. An index is told a node's view when it changes
 (`put`) and answers the same question from columns: numpy arrays aligned with the phase's
 accepting nodes in id order, so that an argmin (the first of equal minima) breaks ties to the
-lowest id, as the stateless methods do. Lexicographic keys are packed into one int64,
+lowest id, as the stateless methods do (Dynamo's, which draws among equal costs, takes all the
+minima in id order, `minima`). Lexicographic keys are packed into one int64,
 `a * 2**32 + b` with `0 <= b < 2**32`, which orders as the tuple `(a, b)` does; a value out of
 range makes numpy raise `OverflowError` rather than pack a wrong key.
 
@@ -115,9 +116,12 @@ def most_free_key(load: NodeLoad) -> int:
     return (load.kv_used_blocks - load.kv_capacity_blocks) * SHIFT + load.decode_requests
 
 
-def first_masked(values: IntArray, mask: Sequence[int]) -> int:
-    """Index of the least of `values` outside the indices `mask` (first on ties); -1 if none."""
-    masked = values.copy()
-    masked[list(mask)] = NO_KEY
-    k = int(masked.argmin())
-    return k if masked[k] != NO_KEY else -1
+def minima(values: IntArray, mask: Sequence[int]) -> list[int]:
+    """Indices (ascending) of the least of `values` outside the indices `mask`; [] if none."""
+    if mask:
+        values = values.copy()
+        values[list(mask)] = NO_KEY
+    if not len(values):
+        return []
+    low = values.min()
+    return [] if low == NO_KEY else np.flatnonzero(values == low).tolist()

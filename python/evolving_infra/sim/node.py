@@ -105,6 +105,10 @@ class Node:
         # Of those, the bootstrap queue's: work that waits for decode KV, not for this node.
         self.held_s = 0.0
         self.held_tokens = 0
+        # Prompt blocks of the requests routed here and not gone (prefill: until prefilled or
+        # handed back; decode: offered, until finished or handed back): Dynamo's router-tracked
+        # load (`NodeLoad.active_blocks`).
+        self.active_blocks = 0
         # decode
         self.batch: list[SimRequest] = []
         # NOTE: kept as the batch changes rather than summed per span and per planner sample
@@ -140,6 +144,7 @@ class Node:
             # prealloc queue is FIFO) stays the most free and every request queues behind it.
             kv_used_blocks=min(kv.reserved + kv.pinned + self.waiting_blocks, kv.l1_capacity),
             kv_capacity_blocks=kv.l1_capacity,
+            active_blocks=self.active_blocks,
         )
 
     def prefill_demand_s(self) -> float:
@@ -237,6 +242,7 @@ class Node:
         u = max(t - min(c * self.s.block_size, t), 1)
         req.cached_blocks = c
         req.uncached = u
+        self.active_blocks += self._prompt_blocks(req)
         req.pred_s = self.env.model.predict_prefill_one(u, t - u)
         self.queued_s += req.pred_s
         self.queued_tokens += u
@@ -398,6 +404,7 @@ class Node:
         kv.pinned += len(h) - c
         req.pin_p += len(h) - c
         req.prefill_done = now
+        self.active_blocks -= self._prompt_blocks(req)
         self.env.prefilled(req)
 
     def release(self, req: SimRequest, now: float, kick: bool = True) -> None:
@@ -421,6 +428,7 @@ class Node:
         """A prefilled request asks for this decode node: admitted (the caller starts the
         transfer) or queued until its KV fits."""
         req.decode_node = self.id
+        self.active_blocks += self._prompt_blocks(req)
         if self.waiting or not self._admit_decode(req, now):
             self.waiting.append(req)
             self.waiting_blocks += self._blocks(req)
@@ -436,6 +444,7 @@ class Node:
         self.release(req, now, kick=False)
         if not self.waiting and self._admit_decode(req, now):
             req.decode_node = self.id
+            self.active_blocks += self._prompt_blocks(req)
             return True
         # `_admit_decode` changed nothing: pin the prompt again as its prefill left it.
         self.kv.pin(req.hashes, req.id)
@@ -446,6 +455,9 @@ class Node:
     def _blocks(self, req: SimRequest) -> int:
         """`req`'s whole KV (prompt and output) in blocks."""
         return blocks_for(req.prompt_tokens + req.output_tokens, self.s.block_size)
+
+    def _prompt_blocks(self, req: SimRequest) -> int:
+        return blocks_for(req.prompt_tokens, self.s.block_size)
 
     def _admit_decode(self, req: SimRequest, now: float) -> bool:
         h, kv = req.hashes, self.kv
@@ -477,6 +489,7 @@ class Node:
         if out:
             self.waiting = deque(r for r in self.waiting if r.prefill_node != prefill_node)
             self.waiting_blocks -= sum(self._blocks(r) for r in out)
+            self.active_blocks -= sum(self._prompt_blocks(r) for r in out)
             self.admit_waiting(now)
         return out
 
@@ -484,6 +497,7 @@ class Node:
         out = list(self.waiting)
         self.waiting.clear()
         self.waiting_blocks = 0
+        self.active_blocks -= sum(self._prompt_blocks(r) for r in out)
         return out
 
     def take_queued(self, now: float) -> list[SimRequest]:
@@ -505,6 +519,7 @@ class Node:
         for r in out + held:
             self.queued_s -= r.pred_s
             self.queued_tokens -= r.uncached
+            self.active_blocks -= self._prompt_blocks(r)
         if not self.running:
             self.queued_s, self.queued_tokens = 0.0, 0  # no float drift once idle
         return out + held
@@ -599,6 +614,7 @@ class Node:
         req.res_d = req.pin_d = 0
         kv.fit(now)
         req.done = now
+        self.active_blocks -= self._prompt_blocks(req)
         self.env.decoded(req)
         self.admit_waiting(now)  # its KV is free: the next waiting request may fit
 

@@ -9,6 +9,13 @@
 | `arrow` | `routing.least_loaded` | `planner.arrow` | LRU | yes | no | no |
 | `static:xPyD` | as `evolving` | none (fixed split) | as `evolving` |  |  |  |
 
+The ablations (`ABLATIONS`): `evolving` with one of the paper's mechanisms switched off, the rest
+kept: `evolving-lru` (LRU eviction instead of branch-aware), `evolving-dynamo-cost` (Dynamo's
+router cost instead of TTFT balancing, shared hits credited x 0.5 as the pool exists),
+`evolving-no-pool` (no shared pool, no prefetch: a node reads only its own L1 and L2),
+`evolving-drop` (switches lose the node's KV, as Arrow's do) and `evolving-fixed` (no planner:
+the start split all run).
+
 `best-static` is not a policy but a comparison: every split run as `static` (`run.compare`);
 `best-dynamo-static`, `best-dynamo-hicache-static` and `best-arrow-static` the same on Dynamo's
 (without and with HiCache) and Arrow's infrastructure (`dynamo-static:xPyD`, ...: their
@@ -99,14 +106,15 @@ def _evolving_router(ctx: PolicyContext) -> Router:
 def _dynamo_router(ctx: PolicyContext) -> Router:
     from evolving_infra.routing.dynamo import DynamoRouter
 
-    return DynamoRouter(block_size=ctx.block_size)
+    # Ties are drawn at random (Dynamo's temperature 0), from the run's seed.
+    return DynamoRouter(block_size=ctx.block_size, seed=ctx.config.seed)
 
 
 def _dynamo_hicache_router(ctx: PolicyContext) -> Router:
     from evolving_infra.routing.dynamo import DynamoRouter
 
     # `--shared-cache-type hicache`: shared blocks beyond the worker's own earn x 0.5.
-    return DynamoRouter(block_size=ctx.block_size, count_shared_cache=True)
+    return DynamoRouter(block_size=ctx.block_size, count_shared_cache=True, seed=ctx.config.seed)
 
 
 def _least_loaded_router(ctx: PolicyContext) -> Router:
@@ -190,7 +198,22 @@ DYNAMO_HICACHE = replace(
     DYNAMO, name="dynamo-hicache", router=_dynamo_hicache_router, shared_pool=True
 )
 ARROW = PolicySpec("arrow", _least_loaded_router, _arrow_planner, "lru", True, False, False)
-NAMED = {p.name: p for p in (EVOLVING, DYNAMO, DYNAMO_LOAD, DYNAMO_HICACHE, ARROW)}
+
+
+def _dropping_planner(ctx: PolicyContext) -> Planner:
+    planner = _evolving_planner(ctx)
+    planner.switch_mode = "in-place-drop"
+    return planner
+
+
+ABLATIONS = (
+    replace(EVOLVING, name="evolving-lru", eviction="lru", branch_counts=False),
+    replace(EVOLVING, name="evolving-dynamo-cost", router=_dynamo_hicache_router),
+    replace(EVOLVING, name="evolving-no-pool", shared_pool=False, prefetch=False),
+    replace(EVOLVING, name="evolving-drop", planner=_dropping_planner),
+    replace(EVOLVING, name="evolving-fixed", planner=None),
+)
+NAMED = {p.name: p for p in (EVOLVING, DYNAMO, DYNAMO_LOAD, DYNAMO_HICACHE, ARROW, *ABLATIONS)}
 
 
 # A static split on a baseline's own infrastructure (its router, eviction, pool and gate, no
