@@ -137,3 +137,23 @@ def test_static_sweeps_run_on_each_infrastructure(tmp_path: Path) -> None:
     # Nothing switched: no planner.
     assert all(policies[name]["switches"] == 0 for name in policies)
     assert set(results["runtime"]) >= {"dynamo-static:1P2D", "arrow-static:2P1D", "static:1P2D"}
+
+
+def test_every_baseline_and_sweep_in_one_run(tmp_path: Path) -> None:
+    # The comparison issue 24 asks for, in one command: every policy lands in results.json.
+    names = [
+        *("evolving", "dynamo", "dynamo-load", "dynamo-hicache", "arrow"),
+        *("best-static", "best-dynamo-static", "best-dynamo-hicache-static", "best-arrow-static"),
+        *("evolving-lru", "evolving-dynamo-cost", "evolving-no-pool"),
+        *("evolving-drop", "evolving-fixed"),
+    ]
+    out = tmp_path / "o"
+    args = parse(
+        *("--workload", "cc", "--gpus", "12", "--agents", "3", "--duration", "120"),
+        *("--policies", ",".join(names), "--out", str(out), "--no-progress", "--jobs", "2"),
+    )
+    assert command.run(args) == 0
+    policies = json.loads((out / "results.json").read_text())["policies"]
+    assert set(policies) == set(names)
+    for name in names:
+        assert policies[name]["completed"] > 0, name

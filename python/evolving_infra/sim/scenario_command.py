@@ -22,8 +22,8 @@ NAME = "scenario"
 HELP = "run the paper's scenarios by name and check its claims"
 DESCRIPTION = """\
 Named simulator scenarios (issue 5): stationary Claude Code, Putnam and OSWorld at three
-concurrency levels, the shifting mix, initial splits converging, the no-planner ablation and
-36 / 256 / 3,072 GPUs. Each is one or more `sim` comparisons.
+concurrency levels, the shifting mix, initial splits converging, the ablations (each mechanism
+switched off alone) and 36 / 256 / 3,072 GPUs. Each is one or more `sim` comparisons.
 
   scenario list                          names, what each shows, the claim, expected wall time
   scenario run NAME [--quick] [--seed K] [--out DIR] [--jobs N]
