@@ -10,7 +10,6 @@ import pytest
 
 from evolving_infra.planner import (
     PLANNERS,
-    ArrowPlanner,
     DynamoPlanner,
     EvolvingPlanner,
     Planner,
@@ -409,76 +408,8 @@ def test_dynamo_reads_the_latest_sample_and_waits_for_its_switch() -> None:
     assert short.decide(5.0, Split(4, 4), [busiest(0.25, 0.3)], MODEL) == Split(5, 3)
 
 
-# -- dynamo-load: the SLA loop ------------------------------------------------------------------
-
-
-def test_dynamo_load_scales_prefill_one_node_at_a_time() -> None:
-    p = DynamoPlanner(mode="load")
-    assert p.interval == 5.0
-    assert p.switch_mode == "restart"
-    busy = [sl(0, 2_000, 0, 100, width=5.0, queue_s=2.0, batch=8, context=2_000)]
-    assert p.decide(5.0, Split(4, 4), busy, MODEL) == Split(5, 3)
-    assert p.decide(10.0, Split(4, 4), busy, MODEL) is None  # in flight: no new action
-    p.switch_done()
-    assert p.decide(15.0, Split(5, 3), busy, MODEL) == Split(6, 2)
-
-
-def test_dynamo_load_respects_the_slas() -> None:
-    def load(**kw: float) -> DynamoPlanner:
-        return DynamoPlanner(mode="load", **kw)  # type: ignore[arg-type]
-
-    s = sl(0, 2_000, 0, 100, width=5.0, queue_s=0.3, batch=8, context=2_000)
-    ttft, itl = load().estimates(s, MODEL)
-    assert ttft == pytest.approx(0.3 + MODEL.predict_prefill_one(2_000, 0))
-    assert itl == pytest.approx(MODEL.predict_decode(8, 16_000))
-    # TTFT just over its SLA and ITL comfortably under its own: one node to prefill.
-    assert load(ttft_sla=ttft * 0.95, itl_sla=itl * 2).decide(5.0, Split(4, 4), [s], MODEL) == (
-        Split(5, 3)
-    )
-    # Both within SLA but neither below SLA x 0.8: keep.
-    assert load(ttft_sla=ttft * 1.1, itl_sla=itl * 1.1).decide(5.0, Split(4, 4), [s], MODEL) is None
-    # Prefill comfortably under, decode in the band: prefill gives its node to decode.
-    spare = load(ttft_sla=ttft * 2, itl_sla=itl * 1.1)
-    assert spare.decide(5.0, Split(4, 4), [s], MODEL) == Split(3, 5)
-    # ... unless prefill is down to its last node.
-    assert load(ttft_sla=ttft * 2, itl_sla=itl * 1.1).decide(5.0, Split(1, 7), [s], MODEL) is None
-    # With the 500 ms / 50 ms defaults: TTFT 0.44 s is in the band, ITL far under: decode
-    # gives a node; with the queue empty both are comfortably under: keep.
-    assert load().decide(5.0, Split(4, 4), [s], MODEL) == Split(5, 3)
-    light = dataclasses.replace(s, prefill_queue_s=0.0)
-    assert load().decide(5.0, Split(4, 4), [light], MODEL) is None
-
-
-def test_dynamo_load_scales_decode_when_itl_exceeds_the_sla() -> None:
-    s = sl(0, 200, 0, 500, width=5.0, batch=256, context=30_000)
-    _, itl = DynamoPlanner(mode="load").estimates(s, MODEL)
-    assert itl > 0.05
-    assert DynamoPlanner(mode="load").decide(5.0, Split(4, 4), [s], MODEL) == Split(3, 5)
-    # Both phases over their SLA: a fixed total has no node to give.
-    both = sl(0, 200, 0, 500, width=5.0, batch=256, context=30_000, queue_s=5.0)
-    assert DynamoPlanner(mode="load").decide(5.0, Split(4, 4), [both], MODEL) is None
-
-
-# -- arrow and static ---------------------------------------------------------------------------
-
-
-def test_arrow_thresholds_and_cooldown() -> None:
-    p = ArrowPlanner()
-    assert p.switch_mode == "in-place-drop"
-    queued = [sl(0, 2_000, 0, 100, width=10.0, queue_s=2.0, kv=0.7)]
-    assert p.decide(10.0, Split(4, 4), queued, MODEL) == Split(5, 3)
-    p.switch_done()
-    assert p.decide(20.0, Split(5, 3), queued, MODEL) is None  # cooling down (30 s)
-    assert p.decide(41.0, Split(5, 3), queued, MODEL) == Split(6, 2)  # ±1 only
-    p.switch_done()
-    full = [sl(0, 2_000, 0, 100, width=10.0, queue_s=0.5, kv=0.95)]
-    assert p.decide(80.0, Split(6, 2), full, MODEL) == Split(5, 3)
-    p.switch_done()
-    both = [sl(0, 2_000, 0, 100, width=10.0, queue_s=2.0, kv=0.95)]
-    assert p.decide(120.0, Split(5, 3), both, MODEL) is None
-    steady = [sl(0, 2_000, 0, 100, width=10.0, queue_s=0.5, kv=0.7)]
-    assert p.decide(160.0, Split(5, 3), steady, MODEL) is None
-    assert p.decide(200.0, Split(5, 3), [], MODEL) is None
+# -- static and the registry (dynamo-load: tests/test_planner_dynamo_load.py; arrow:
+# tests/test_planner_arrow.py) ---------------------------------------------------------------
 
 
 def test_static_never_switches() -> None:

@@ -56,6 +56,25 @@ class SliceStats:
     # (running batch plus preempted requests, over L1; above 1 when those do not fit).
     max_queued_prefill_tokens: int = 0
     max_decode_kv_demand: float = 0.0
+    # Per-engine figures at the slice's last sample, for planners that estimate each engine's
+    # latency (Dynamo's SLA loop: scale up only when every engine is over its SLA, guard a
+    # scale-down on the busiest one; Arrow: can any prefill engine still meet the TTFT SLO).
+    # The least and the most loaded prefill node's predicted queue drain, seconds: the work it
+    # has to do, queued and running, not its bootstrap queue's (`Node.prefill_demand_s`).
+    min_prefill_queue_s: float = 0.0
+    max_prefill_queue_s: float = 0.0
+    # The decode node with the fewest KV tokens (scheduled plus queued, "queued" being requests
+    # preempted back to the waiting queue) and the one with the most: each one's KV tokens and
+    # its requests (scheduled plus queued), the inputs of its ITL (equal tokens: the fewer, or
+    # the more, requests; then the first node).
+    min_decode_kv_tokens: int = 0
+    min_decode_kv_requests: int = 0
+    max_decode_kv_tokens: int = 0
+    max_decode_kv_requests: int = 0
+    # The lowest decode KV demand (as `max_decode_kv_demand`, 0..1): the emptiest decode node.
+    min_decode_kv_demand: float = 0.0
+    # KV tokens one decode node's cache holds (the largest; 0 when the driver does not know).
+    decode_kv_capacity_tokens: int = 0
 
 
 class Planner(Protocol):

@@ -79,7 +79,8 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         return sum(v * x for v, x in zip(values, weights, strict=True)) / w if w > 0 else 0.0
 
     batch_w = [d * s.mean_decode_batch for d, s in zip(dur, slices, strict=True)]
-    last = max(slices, key=lambda s: s.end)  # the peaks are instantaneous: the latest's
+    # The peaks and per-engine figures are instantaneous (the last sample's): the latest's.
+    last = max(slices, key=lambda s: s.end)
     requests = sum(s.requests for s in slices)
     prompt = sum(s.prompt_tokens for s in slices)
     return SliceStats(
@@ -104,6 +105,14 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         prefilled_uncached_tokens=sum(s.prefilled_uncached_tokens for s in slices),
         max_queued_prefill_tokens=last.max_queued_prefill_tokens,
         max_decode_kv_demand=last.max_decode_kv_demand,
+        min_prefill_queue_s=last.min_prefill_queue_s,
+        max_prefill_queue_s=last.max_prefill_queue_s,
+        min_decode_kv_tokens=last.min_decode_kv_tokens,
+        min_decode_kv_requests=last.min_decode_kv_requests,
+        max_decode_kv_tokens=last.max_decode_kv_tokens,
+        max_decode_kv_requests=last.max_decode_kv_requests,
+        min_decode_kv_demand=last.min_decode_kv_demand,
+        decode_kv_capacity_tokens=last.decode_kv_capacity_tokens,
     )
 
 
@@ -163,25 +172,3 @@ def decode_rate(model: IterationModel, mean: MeanRequest, kv_tokens: int, max_ba
     batch = max(min(max_batch, int(kv_tokens // max(mean.context, 1.0))), 1)
     step = model.predict_decode(batch, round(batch * mean.context))
     return batch / step / mean.output
-
-
-def pressure_step(
-    split: Split, p_up: bool, d_up: bool, p_down: bool, d_down: bool, min_nodes: int
-) -> Split | None:
-    """±1 node between the phases under a fixed total: a phase that needs more takes a node
-    from the other unless the other needs more too; otherwise a phase with too much gives one
-    to the other unless the other has too much too. Each phase keeps `min_nodes`."""
-    if p_up != d_up:  # exactly one phase is short of nodes: it takes one
-        more_prefill = p_up
-    elif p_down != d_down:  # exactly one phase has nodes to spare: it gives one
-        more_prefill = d_down
-    else:
-        return None
-    p, d = (
-        (split.prefill + 1, split.decode - 1)
-        if more_prefill
-        else (split.prefill - 1, split.decode + 1)
-    )
-    if p < min_nodes or d < min_nodes:
-        return None
-    return Split(p, d)

@@ -17,25 +17,41 @@ the busiest engine (`core/load_scaling.py:25-35`), no SLA and no performance mod
 
 `mode="load"` (`dynamo-load`): the SLA loop (`optimization_target: sla` with
 `enable_load_scaling`, not a default, but the one NVIDIA's planner example configures), every
-5 s: estimated TTFT = the prefill nodes' queue drain time + a predicted (chunked) prefill of the
-mean request; estimated ITL = `predict_decode` at the mean decode batch and its context; a phase
-is short when its estimate exceeds its SLA (TTFT 500 ms, ITL 50 ms), has nodes to spare when
-below SLA x 0.8 (`load_scaling_down_sensitivity`). NOTE: upstream's guards are not modelled yet
-(docs/baselines.md §2b, §6): it decides on all engines, not the mean one, counts queued decode
-KV in its ITL and refuses a decode scale-down whose survivors' KV would not fit.
+5 s, per engine (`core/load_scaling.py:459-554` prefill, `:556-634` decode; TTFT 500 ms, ITL
+50 ms, `load_scaling_down_sensitivity` 0.8, `config/defaults.py:73-74, 101`):
+- estimated TTFT of a prefill engine = its queue drain (queued and running work, not the
+  bootstrap queue's) + the predicted chunked prefill of the next request, the slice's mean one
+  (`perf_model/ais_adapter.py:632-669`: queued tokens + `avg_isl`, KV hits discounted);
+- estimated ITL of a decode engine = `predict_decode` at its scheduled + queued requests and KV
+  tokens plus one next request of the mean decoding context (`ais_adapter.py:671-716`,
+  `include_queued_decode=True`; `avg_decode_length` is the mean KV per decoding request,
+  `:343-354`). "Queued" is preempted decode work: a simulated decode node never preempts, so
+  the term is 0 here, but it is counted (`SliceStats.min/max_decode_kv_*`);
+- a phase grows only when every engine's estimate is over its SLA (`load_scaling.py:1124-1128`):
+  the least loaded engine decides (`SliceStats.min_prefill_queue_s`, `min_decode_kv_*`; the
+  engine with the fewest KV tokens stands for the one with the lowest ITL);
+- prefill shrinks (`:486-539`) when, with N engines and `c = N/(N-1)`, the queue budget
+  `(ttft_sla - t_own) x 0.8` is positive (`t_own`: the next request's prefill alone) and the
+  busiest engine's queue drain x c stays below it (`SliceStats.max_prefill_queue_s`);
+- decode shrinks (`:585-622`) unless the busiest engine's KV x c would not fit its cache
+  (`max_decode_kv_demand x c >= 1`, a fraction of the cache) or its ITL at its requests and KV
+  x c reaches `itl_sla x 0.8`; the last engine never goes (`:492, :585`; `min_endpoint` 1,
+  `:1130-1136`).
+Upstream's warm-up (`load_min_observations`, 5 FPM samples) and speculative decoding's accept
+length (1 here) are not modelled.
 
-The GPU budget. The simulated cluster is Dynamo's `max_gpu_budget`: every node serves, so each
-decision is taken at the ceiling, where Dynamo never takes a node from a phase whose own signal
-did not say shrink (`core/budget.py:481-502`): a phase grows only when the other shrinks in the
-same tick, and both move together (`throughput`; `rebalance`). A lone scale-down would leave
-Dynamo's GPU idle until a scale-up takes it; here that node keeps serving its phase, which can
-only favour the baseline. (`load` still trades a node whenever one phase is short or spare,
-`common.pressure_step`, as before upstream's guards were read.) As in Dynamo ("no new action
-until the previous completes"), nothing is decided while a switch is in flight.
+The GPU budget, both modes. The simulated cluster is Dynamo's `max_gpu_budget`: every node
+serves, so each decision is taken at the ceiling, where Dynamo never takes a node from a phase
+whose own signal did not say shrink (`core/budget.py:481-502`): a phase grows only when the
+other shrinks in the same tick, and both move together (`rebalance`). A lone scale-down would
+leave Dynamo's GPU idle until a scale-up takes it; here that node keeps serving its phase,
+which can only favour the baseline. As in Dynamo ("no new action until the previous
+completes"), nothing is decided while a switch is in flight.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -45,7 +61,6 @@ from evolving_infra.planner.common import (
     MeanRequest,
     PlannerGate,
     prefill_seconds,
-    pressure_step,
     recent,
 )
 from evolving_infra.timing.model import IterationModel
@@ -131,13 +146,43 @@ class DynamoPlanner(PlannerGate):
         return -1 if value < down and may_shrink(value, ready, up_at, self.min_nodes) else 0
 
     def estimates(self, s: SliceStats, model: IterationModel) -> tuple[float, float]:
-        """(estimated TTFT, estimated ITL) in seconds for the slice's mean engine (`load`)."""
-        ttft = s.prefill_queue_s + self.one_prefill(s, model)
-        itl = 0.0
-        if s.mean_decode_batch > 0:
-            batch = max(round(s.mean_decode_batch), 1)
-            itl = model.predict_decode(batch, round(batch * s.mean_context_tokens))
-        return ttft, itl
+        """(estimated TTFT, estimated ITL) in seconds of the least loaded prefill and decode
+        engines (`load`): a phase is short only when these are over the SLA."""
+        ttft = s.min_prefill_queue_s + self.one_prefill(s, model)
+        return ttft, self.itl(s, model, s.min_decode_kv_requests, s.min_decode_kv_tokens)
+
+    def itl(self, s: SliceStats, model: IterationModel, requests: float, tokens: float) -> float:
+        """Predicted ITL of a decode engine running `requests` (scheduled + queued) over
+        `tokens` of KV, plus the next request at the mean decoding context (upstream's
+        `add_next_request`, `perf_model/ais_adapter.py:703-705`)."""
+        context = s.mean_context_tokens
+        if context <= 0:
+            mean = MeanRequest.of(s)
+            context = mean.context if mean is not None else max(s.mean_input_tokens, 0.0)
+        return model.predict_decode(math.ceil(requests) + 1, math.ceil(tokens + context))
+
+    def load_signals(self, s: SliceStats, split: Split, model: IterationModel) -> tuple[int, int]:
+        """The SLA loop's ±1 per phase (prefill, decode): +1 when every engine is over the SLA,
+        -1 when the consolidation guards let one go, else 0."""
+        k = self.down_sensitivity
+        ttft, itl = self.estimates(s, model)
+        prefill = decode = 0
+        if ttft > self.ttft_sla:
+            prefill = 1
+        elif split.prefill > self.min_nodes:
+            c = split.prefill / (split.prefill - 1)
+            budget = (self.ttft_sla - self.one_prefill(s, model)) * k
+            if budget > 0 and s.max_prefill_queue_s * c < budget:
+                prefill = -1
+        if itl > self.itl_sla:
+            decode = 1
+        elif split.decode > self.min_nodes:
+            c = split.decode / (split.decode - 1)
+            fits = s.max_decode_kv_demand * c < 1.0
+            post = self.itl(s, model, s.max_decode_kv_requests * c, s.max_decode_kv_tokens * c)
+            if fits and post < self.itl_sla * k:
+                decode = -1
+        return prefill, decode
 
     def decide(
         self, now: float, split: Split, window: Sequence[SliceStats], model: IterationModel
@@ -148,13 +193,10 @@ class DynamoPlanner(PlannerGate):
         if s is None:
             return None
         if self.mode == "throughput":
-            return self._propose(split, rebalance(split, *self.signals(s, split), self.min_nodes))
-        ttft, itl = self.estimates(s, model)
-        k = self.down_sensitivity
-        p_up, p_down = ttft > self.ttft_sla, ttft < self.ttft_sla * k
-        d_up, d_down = itl > self.itl_sla, itl < self.itl_sla * k
-        target = pressure_step(split, p_up, d_up, p_down, d_down, self.min_nodes)
-        return self._propose(split, target)
+            signals = self.signals(s, split)
+        else:
+            signals = self.load_signals(s, split, model)
+        return self._propose(split, rebalance(split, *signals, self.min_nodes))
 
     def one_prefill(self, s: SliceStats, model: IterationModel) -> float:
         """Predicted prefill seconds of the slice's mean request alone (chunked); a slice

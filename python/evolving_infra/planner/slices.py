@@ -30,6 +30,13 @@ class NodeSample:
     kv_used: float
     # Uncached prompt tokens waiting in the prefill queue, not started (prefill nodes).
     queued_prefill_tokens: int = 0
+    # Decode requests preempted back to the waiting queue and their KV tokens (an engine's
+    # `queued_requests.num_decode_requests` / `sum_decode_kv_tokens`, which Dynamo's ITL
+    # estimate adds). Neither driver's engines preempt (or report it): 0 there.
+    queued_decode: int = 0
+    queued_decode_tokens: int = 0
+    # KV tokens the node's cache holds (decode nodes; 0 when unknown).
+    kv_capacity_tokens: int = 0
 
 
 class Slices:
@@ -55,6 +62,12 @@ class Slices:
         # requests preempted back to the waiting queue; neither driver's engines preempt (or
         # report it), so it is the running batch's KV use, `kv_used`.
         self.max_kv_demand = 0.0
+        # At the last sample, per engine (`SliceStats`' fields of the same names).
+        self.min_prefill_queue_s = self.max_prefill_queue_s = 0.0
+        self.min_decode_kv_tokens = self.min_decode_kv_requests = 0
+        self.max_decode_kv_tokens = self.max_decode_kv_requests = 0
+        self.min_kv_demand = 0.0  # at the last sample: the emptiest decode node's KV demand
+        self.decode_kv_capacity = 0
 
     def arrival(self, prompt: int, uncached: int, cached: int) -> None:
         self.requests += 1
@@ -74,15 +87,29 @@ class Slices:
     def sample(self, nodes: Sequence[NodeSample]) -> None:
         decode = [n for n in nodes if n.phase == "decode"]
         prefill = [n for n in nodes if n.phase == "prefill"]
+        queues = [max(n.queued_prefill_s, 0.0) for n in prefill]
+        # A decode engine's ITL inputs: (KV tokens, requests), scheduled plus queued; `min` and
+        # `max` compare them as `sim.planning.sample_nodes` does.
+        loads = [
+            (x.context_tokens + x.queued_decode_tokens, x.decoding + x.queued_decode)
+            for x in decode
+        ]
+        least, most = (min(loads), max(loads)) if loads else ((0, 0), (0, 0))
         self.add_sample(
             len(decode),
             sum(n.decoding for n in decode),
             sum(n.context_tokens for n in decode),
             sum(n.kv_used for n in decode),
             len(prefill),
-            sum(max(n.queued_prefill_s, 0.0) for n in prefill),
+            sum(queues),
             max((n.queued_prefill_tokens for n in prefill), default=0),
             max((n.kv_used for n in decode), default=0.0),
+            min_prefill_queue_s=min(queues, default=0.0),
+            max_prefill_queue_s=max(queues, default=0.0),
+            min_decode_kv=least,
+            max_decode_kv=most,
+            min_kv_demand=min((n.kv_used for n in decode), default=0.0),
+            decode_kv_capacity_tokens=max((n.kv_capacity_tokens for n in decode), default=0),
         )
 
     def add_sample(
@@ -95,13 +122,28 @@ class Slices:
         queued_prefill_s: float,
         max_queued_prefill_tokens: int = 0,
         max_kv_demand: float = 0.0,
+        *,
+        min_prefill_queue_s: float = 0.0,
+        max_prefill_queue_s: float = 0.0,
+        min_decode_kv: tuple[int, int] = (0, 0),
+        max_decode_kv: tuple[int, int] = (0, 0),
+        min_kv_demand: float = 0.0,
+        decode_kv_capacity_tokens: int = 0,
     ) -> None:
         """`sample` from the sums over the nodes (each sum in node order, as `sample` adds
-        them) and the per-node peaks, for a caller that has them without building a
-        `NodeSample` per node."""
+        them) and the per-node figures, for a caller that has them without building a
+        `NodeSample` per node. `min_decode_kv` / `max_decode_kv`: (KV tokens, requests) of the
+        decode node with the least / most KV tokens, scheduled plus queued (ties: the fewer /
+        more requests, then the first node)."""
         self.samples += 1
         self.max_queued_prefill = max_queued_prefill_tokens
         self.max_kv_demand = max_kv_demand
+        self.min_prefill_queue_s = min_prefill_queue_s
+        self.max_prefill_queue_s = max_prefill_queue_s
+        self.min_decode_kv_tokens, self.min_decode_kv_requests = min_decode_kv
+        self.max_decode_kv_tokens, self.max_decode_kv_requests = max_decode_kv
+        self.min_kv_demand = min_kv_demand
+        self.decode_kv_capacity = decode_kv_capacity_tokens
         if decode_nodes:
             self.decoding_sum += decoding
             self.batch_sum += decoding / decode_nodes
@@ -130,6 +172,14 @@ class Slices:
             prefilled_uncached_tokens=self.prefilled_uncached,
             max_queued_prefill_tokens=self.max_queued_prefill,
             max_decode_kv_demand=self.max_kv_demand,
+            min_prefill_queue_s=self.min_prefill_queue_s,
+            max_prefill_queue_s=self.max_prefill_queue_s,
+            min_decode_kv_tokens=self.min_decode_kv_tokens,
+            min_decode_kv_requests=self.min_decode_kv_requests,
+            max_decode_kv_tokens=self.max_decode_kv_tokens,
+            max_decode_kv_requests=self.max_decode_kv_requests,
+            min_decode_kv_demand=self.min_kv_demand,
+            decode_kv_capacity_tokens=self.decode_kv_capacity,
         )
         self.window.append(s)
         while self.window and self.window[0].end <= now - self.window_s:

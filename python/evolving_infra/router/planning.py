@@ -104,6 +104,12 @@ class LivePlanner:
                     # waits in an engine's bootstrap and prealloc queues (the simulator's do
                     # not): the live engines do not report those queues apart yet.
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    # NOTE: the engines do not report preempted decode requests
+                    # (`queued_decode`, 0), and SGLang's decode admits a request only once its
+                    # KV is allocated.
+                    kv_capacity_tokens=e.kv_capacity_blocks * d.page_size
+                    if e.phase == "decode"
+                    else 0,
                 )
             )
         return out

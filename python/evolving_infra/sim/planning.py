@@ -4,7 +4,8 @@ The planner's window (`planner.slices.Slices`, shared with the live router) is f
 the cached and uncached split the prefill node estimated when they were queued, tokens decoded,
 and samples of the nodes every `sample_interval` (`node_samples`: decode batch and context,
 prefill queue drain time, decode KV use by running requests, as an engine reports it; the
-busiest prefill queue in tokens and the highest decode KV demand). The prefill queue is the
+busiest prefill queue in tokens and the highest decode KV demand; per engine, the least and the
+most loaded prefill queue in seconds and decode node in KV tokens). The prefill queue is the
 work a node has to do: requests in its bootstrap queue wait for decode KV, not for it, and count
 for no planner (SGLang keeps them apart from its waiting queue too).
 
@@ -28,24 +29,65 @@ from evolving_infra.sim.node import Node
 
 def sample_nodes(slices: Slices, nodes: Sequence[Node]) -> None:
     """`slices.sample(node_samples(nodes))` without a `NodeSample` per node (768 nodes every
-    simulated second at 3,072 GPUs): the same sums, in the same order."""
-    decode = decoding = context = prefill = max_waiting = 0
-    kv_used = queued = max_demand = 0.0
+    simulated second at 3,072 GPUs): the same sums, in the same order, and the same per-node
+    figures (a simulated decode node never preempts: its queued decode KV is 0)."""
+    decode = decoding = context = prefill = max_waiting = capacity = 0
+    kv_used = queued = max_demand = min_demand = q_lo = q_hi = 0.0
+    # (KV tokens, requests) of the least and the most loaded decode node, compared as tuples
+    lo_t = lo_r = hi_t = hi_r = 0
     for n in nodes:
         if n.state == "down":
             continue
         if n.phase == "decode":
             used = n.kv_use()
+            tokens, requests = n.batch_context, len(n.batch)
+            cap = n.kv.l1_capacity * n.s.block_size
+            if decode == 0:
+                lo_t, lo_r = hi_t, hi_r = tokens, requests
+                min_demand = max_demand = used
+                capacity = cap
+            else:
+                if tokens < lo_t or (tokens == lo_t and requests < lo_r):
+                    lo_t, lo_r = tokens, requests
+                elif tokens > hi_t or (tokens == hi_t and requests > hi_r):
+                    hi_t, hi_r = tokens, requests
+                if used > max_demand:
+                    max_demand = used
+                elif used < min_demand:
+                    min_demand = used
+                if cap > capacity:
+                    capacity = cap
             decode += 1
-            decoding += len(n.batch)
-            context += n.batch_context
+            decoding += requests
+            context += tokens
             kv_used += used
-            max_demand = max(max_demand, used)
         else:
+            demand = n.prefill_demand_s()
+            if prefill == 0:
+                q_lo = q_hi = demand
+            elif demand < q_lo:
+                q_lo = demand
+            elif demand > q_hi:
+                q_hi = demand
             prefill += 1
-            queued += n.prefill_demand_s()
+            queued += demand
             max_waiting = max(max_waiting, n.waiting_prefill_tokens())
-    slices.add_sample(decode, decoding, context, kv_used, prefill, queued, max_waiting, max_demand)
+    slices.add_sample(
+        decode,
+        decoding,
+        context,
+        kv_used,
+        prefill,
+        queued,
+        max_waiting,
+        max_demand,
+        min_prefill_queue_s=q_lo,
+        max_prefill_queue_s=q_hi,
+        min_decode_kv=(lo_t, lo_r),
+        max_decode_kv=(hi_t, hi_r),
+        min_kv_demand=min_demand,
+        decode_kv_capacity_tokens=capacity,
+    )
 
 
 def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
@@ -54,6 +96,7 @@ def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
     for n in nodes:
         if n.state == "down":
             continue
+        decode = n.phase == "decode"
         out.append(
             NodeSample(
                 phase=n.phase,
@@ -61,7 +104,8 @@ def node_samples(nodes: Sequence[Node]) -> list[NodeSample]:
                 decoding=len(n.batch),
                 context_tokens=n.batch_context,
                 kv_used=n.kv_use(),
-                queued_prefill_tokens=n.waiting_prefill_tokens() if n.phase == "prefill" else 0,
+                queued_prefill_tokens=0 if decode else n.waiting_prefill_tokens(),
+                kv_capacity_tokens=n.kv.l1_capacity * n.s.block_size if decode else 0,
             )
         )
     return out

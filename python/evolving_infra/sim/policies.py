@@ -147,7 +147,7 @@ def _dynamo_load_planner(ctx: PolicyContext) -> Planner:
 def _arrow_planner(ctx: PolicyContext) -> Planner:
     from evolving_infra.planner.arrow import ArrowPlanner
 
-    return ArrowPlanner()
+    return ArrowPlanner(chunk_tokens=ctx.config.chunk_tokens)
 
 
 def parse_split(text: str) -> Split:
