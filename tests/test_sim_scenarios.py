@@ -103,6 +103,26 @@ def test_tiny_run_writes_results_and_report(tmp_path: Path) -> None:
     assert "Split over time" in report
 
 
+def test_check_recomputes_the_claims_of_results_on_disk(tmp_path: Path) -> None:
+    size = Size(quick=True, seed=1, duration=60.0, max_agents=2)
+    path = scenario_command.run_to("putnam-low", size, tmp_path)
+    source = path.parent / "results.json"
+    results = json.loads(source.read_text())
+    want = results["claims"]
+    results["claims"] = [{"claim": "stale", "measured": "-", "outcome": "no", "why": "-"}]
+    source.write_text(json.dumps(results))
+    path.write_text("stale")
+    assert scenario_command.run(parse("check", str(path.parent))) == 0
+    assert json.loads(source.read_text())["claims"] == want
+    assert "## Paper claims" in path.read_text()
+    with pytest.raises(WorkloadError, match="does not exist"):
+        scenario_command.recheck(tmp_path / "nope")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "results.json").write_text("{")
+    with pytest.raises(WorkloadError, match="is not a scenario's results"):
+        scenario_command.recheck(tmp_path / "bad")
+
+
 def test_unknown_scenario_is_a_workload_error(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="unknown scenario"):
         scenario_command.run_to("nope", Size(), tmp_path)

@@ -273,11 +273,11 @@ def baselines_below_best_static(runs: Runs) -> Verdict:
         for name, own in OWN_BEST_STATIC.items():
             if name not in p or own not in p:
                 continue
-            loss = 1 - _ratio(_tps(p[name]), _tps(p[own]))
-            losses.append(loss)
-            text = f"{label}: {name} {loss:+.0%} below {own} {p[own].get('split', '')}"
+            r = _ratio(_tps(p[name]), _tps(p[own]))
+            losses.append(1 - r)
+            text = f"{label}: {name} {r:.2f}x {own} {p[own].get('split', '')}"
             if "best-static" in p:
-                text += f", {1 - _ratio(_tps(p[name]), _tps(p['best-static'])):+.0%} below ours"
+                text += f", {_ratio(_tps(p[name]), _tps(p['best-static'])):.2f}x best-static"
             parts.append(text)
     if not losses:
         return _na(claim, "a baseline with its own best static split")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -15,7 +16,7 @@ from rich.table import Table
 from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
 from evolving_infra.sim.policies import SWEEPS
 from evolving_infra.sim.run import main_table
-from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, run_scenario
+from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, check_all, run_scenario
 from evolving_infra.workloads.errors import WorkloadError
 
 NAME = "scenario"
@@ -27,11 +28,14 @@ switched off alone) and 36 / 256 / 3,072 GPUs. Each is one or more `sim` compari
 
   scenario list                          names, what each shows, the claim, expected wall time
   scenario run NAME [--quick] [--seed K] [--out DIR] [--jobs N]
+  scenario check DIR/NAME...             the claims again, on results already written
 
 `run` writes DIR/NAME/results.json (every run's results as `sim` writes them, under "runs", and
 the verdicts under "claims") and DIR/NAME/report.md (a table per run, the split over time for
 policies with a planner, and "paper claim -> measured -> reproduced?"). --quick runs a shorter,
-smaller variant (under ~2 minutes on 2 cores, except scale-3072). See docs/scenarios.md."""
+smaller variant (under ~2 minutes on 2 cores, except scale-3072). `check` recomputes the claims
+of a scenario's results.json with this version's checks and rewrites both files (the runs
+themselves are not repeated). See docs/scenarios.md."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,11 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "results are the same as one at a time (default: 1)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    check = sub.add_parser("check", help="recompute the claims of scenario results on disk")
+    check.add_argument(
+        "folders", type=Path, nargs="+", metavar="DIR/NAME", help="folders `run` wrote"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "list":
         _list()
+        return 0
+    if args.action == "check":
+        for folder in args.folders:
+            path = recheck(folder)
+            print(f"rewrote {path.parent}/results.json and report.md", file=sys.stderr)
         return 0
     size = Size(quick=args.quick, seed=args.seed)
     check_output_folder(args.out, "--out")  # before the runs, not after them
@@ -96,6 +109,30 @@ def run_to(name: str, size: Size, out: Path, *, progress: bool = False, jobs: in
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    path = folder / "report.md"
+    path.write_text(report(results), encoding="utf-8")
+    return path
+
+
+def recheck(folder: Path) -> Path:
+    """Recomputes the claims of FOLDER/results.json with the scenario's current checks and
+    rewrites it and report.md; returns the report's path."""
+    source = folder / "results.json"
+    try:
+        results = json.loads(source.read_text(encoding="utf-8"))
+        name = results["scenario"]
+        runs = results["runs"]
+    except FileNotFoundError:
+        raise WorkloadError(
+            f"{source} does not exist: give a folder `scenario run` wrote"
+        ) from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise WorkloadError(f"{source} is not a scenario's results ({e})") from None
+    if name not in SCENARIOS:
+        raise WorkloadError(f"{source}: unknown scenario {name!r}")
+    verdicts = check_all(SCENARIOS[name].checks, runs)
+    results["claims"] = [dataclasses.asdict(v) for v in verdicts]
+    source.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     path = folder / "report.md"
     path.write_text(report(results), encoding="utf-8")
     return path
