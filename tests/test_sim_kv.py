@@ -169,3 +169,26 @@ def test_demotion_is_heard_as_the_l1_removal_then_one_store_per_run() -> None:
     assert (kv.l1_held, kv.l2_held, kv.demoted) == (4, 12, 12)
     assert d.match(a).nodes[0] == (4, 10)
     assert d.match(b).nodes[0] == (4, 10)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_pooled_l2_keeps_one_copy_of_a_block(pooled: bool) -> None:
+    """The shared pool is a store of blocks (Mooncake's, one copy per key): a node demoting a
+    block another node already holds in L2 keeps none; per-node L2s keep both."""
+    rng = random.Random(5)
+    d = KvDirectory()
+    a, b = NodeKv(0, d, 10, 100, pooled=pooled), NodeKv(1, d, 10, 100, pooled=pooled)
+    shared, mine, theirs = chain(rng, 4), chain(rng, 3), chain(rng, 3)
+    a.store(shared + mine, None, 1.0)
+    b.store(shared + theirs, None, 1.0)
+    assert a.reserve(10, 2.0)  # everything node 0 holds goes to its L2
+    assert a.l2_held == 7
+    assert b.reserve(10, 3.0)  # node 1's copy of the shared prefix is already in the pool
+    assert b.l1_held == 0
+    assert b.l2_held == (3 if pooled else 7) == d.held(1, "L2")
+    assert b.deduped == (4 if pooled else 0)
+    # Node 1's own blocks hang under a prefix only the pool holds: the pool still has it all.
+    m = d.match(shared + theirs)
+    assert m.pool == 7
+    assert m.nodes.get(1, (0, 0)) == ((0, 0) if pooled else (0, 7))
+    assert d.held_elsewhere(1, "L2", shared + theirs + mine) == shared + mine

@@ -96,7 +96,7 @@ class Cluster:
             Node(
                 i,
                 "prefill" if i < split.prefill else "decode",
-                NodeKv(i, self.directory, self.l1_blocks, l2),
+                NodeKv(i, self.directory, self.l1_blocks, l2, pooled=policy.shared_pool),
                 self.directory,
                 settings,
                 self,

@@ -26,9 +26,12 @@ decoding request's prompt and crashed on an unknown parent, 2026-12-01.)
 
 L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), in one
 directory call (`KvDirectory.demote`: the blocks never leave the directory, so no record of
-their parents is needed), L2 evictions drop the block. `BlockParents` is the simulated engine's
-record of chains (its eviction hints read it); `NodeKv` only keeps it for the engine's node to
-extend (`parents`, None in the simulator).
+their parents is needed), L2 evictions drop the block. With `pooled` the nodes' L2s are the
+cluster's shared pool (a key-value store, as Mooncake is: one copy per block): a demoted block
+some other node already holds in L2 leaves this node's L2 at once (`deduped`), so a prompt
+cached on its prefill node and on its decode node takes the pool's room once, not twice.
+`BlockParents` is the simulated engine's record of chains (its eviction hints read it);
+`NodeKv` only keeps it for the engine's node to extend (`parents`, None in the simulator).
 
 An optional `KvListener` hears every change to what the node holds, in the order it happens
 (the simulated engine turns them into SGLang KV events). The simulator passes none: each hook
@@ -214,6 +217,7 @@ class NodeKv:
 
     __slots__ = (
         "_pins",
+        "deduped",
         "demoted",
         "directory",
         "dropped",
@@ -226,6 +230,7 @@ class NodeKv:
         "node",
         "parents",
         "pinned",
+        "pooled",
         "reserved",
     )
 
@@ -237,8 +242,10 @@ class NodeKv:
         l2_capacity: int,
         listener: KvListener | None = None,
         parents: BlockParents | None = None,
+        pooled: bool = False,
     ) -> None:
         self.node = node
+        self.pooled = pooled
         self.listener = listener
         self.directory = directory
         self.parents = parents
@@ -248,7 +255,7 @@ class NodeKv:
         # Each running request's pinned leaf, by the request's key: (leaf, its depth in the
         # request's chain). An unpin re-pins the others' leaves that lie on its chain.
         self._pins: dict[int, tuple[int, int]] = {}
-        self.evicted = self.demoted = self.dropped = 0  # counters, for reports
+        self.evicted = self.demoted = self.dropped = self.deduped = 0  # counters, for reports
 
     @property
     def used(self) -> int:
@@ -357,6 +364,14 @@ class NodeKv:
         self._evicted(evicted)
         if evicted and self.listener is not None:
             self._report_runs(evicted, parents)
+        if self.pooled and evicted:
+            # Children first, as `remove` walks best: a block and then its parent.
+            copies = d.held_elsewhere(node, "L2", evicted)
+            if copies:
+                d.remove(node, "L2", copies)
+                self.deduped += len(copies)
+                if self.listener is not None:
+                    self.listener.removed("L2", copies)
         new = d.held(node, "L2") - before
         self.l2_held += new
         self.demoted += new

@@ -74,6 +74,8 @@ def simulate(trace: Trace, config: SimConfig, spec: PolicySpec, tick: Tick | Non
         "evicted_blocks": sum(k.evicted for k in kv),
         "demoted_blocks": sum(k.demoted for k in kv),
         "dropped_blocks": sum(k.dropped for k in kv),
+        # Demoted blocks the pool already held elsewhere, not stored twice (`NodeKv.pooled`).
+        "deduped_blocks": sum(k.deduped for k in kv),
         "final_split": str(cluster.switcher.split()) if cluster.switcher else None,
     }
     return Result(spec.name, summary, cluster.metrics.timeline, switches, cluster.stats, extra)

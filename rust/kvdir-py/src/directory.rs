@@ -211,6 +211,22 @@ impl KvDirectory {
         Ok(self.read(py, false, |d| d.refcount(h)))
     }
 
+    /// Of `hashes`, those some node other than `node` holds in `tier`, in the order given.
+    fn held_elsewhere(
+        &self,
+        py: Python<'_>,
+        node: &Bound<'_, PyAny>,
+        tier: &str,
+        hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<i64>> {
+        let node = convert::node(node)?;
+        let tier = convert::tier(py, tier)?;
+        let hashes = convert::hashes(hashes)?;
+        Ok(self.read(py, hashes.len() > LONG_CALL, |d| {
+            d.held_elsewhere(node, tier, &hashes)
+        }))
+    }
+
     /// Blocks `node` holds in `tier` (both tiers, each holding counted, when `tier` is None).
     #[pyo3(signature = (node, tier=None))]
     fn held(&self, py: Python<'_>, node: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<u64> {

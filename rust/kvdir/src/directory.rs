@@ -238,6 +238,27 @@ impl Directory {
             .map_or(0, |i| self.blocks.get(i).refcount)
     }
 
+    /// Of `hashes`, those some node other than `node` holds in `tier`, in the order given
+    /// (unknown hashes are not held anywhere). The simulator's shared pool keeps one host-memory
+    /// copy of a block cluster-wide, as a key-value store does: a node demoting a block the pool
+    /// already holds drops its own copy (`sim.kv.NodeKv`).
+    #[must_use]
+    pub fn held_elsewhere(&self, node: NodeId, tier: Tier, hashes: &[BlockHash]) -> Vec<BlockHash> {
+        hashes
+            .iter()
+            .copied()
+            .filter(|&h| {
+                self.blocks.find(h).is_some_and(|i| {
+                    self.blocks
+                        .get(i)
+                        .holders
+                        .iter()
+                        .any(|x| x.place.tier() == tier && x.place.node() != node)
+                })
+            })
+            .collect()
+    }
+
     /// Blocks `node` holds in `tier` (in both tiers, counted once per tier, when `None`).
     #[must_use]
     pub fn held(&self, node: NodeId, tier: Option<Tier>) -> u64 {

@@ -390,3 +390,21 @@ fn nodes_drop_out_at_wide_and_narrow_blocks() {
         d.check_invariants();
     }
 }
+
+#[test]
+fn held_elsewhere_names_the_blocks_other_nodes_hold_in_a_tier() {
+    let d = dir_with(&[
+        (0, Tier::L2, &[1, 2, 3], None, 0.0),
+        (1, Tier::L1, &[1, 2, 3, 4], None, 0.0),
+        (1, Tier::L2, &[1, 2], None, 0.0),
+        (2, Tier::L2, &[5], Some(4), 0.0),
+    ]);
+    // Node 1's own L2 copy of 1 and 2 does not count for node 1; node 0's does.
+    assert_eq!(
+        d.held_elsewhere(1, Tier::L2, &[1, 2, 3, 4, 5, 99]),
+        vec![1, 2, 3, 5]
+    );
+    assert_eq!(d.held_elsewhere(0, Tier::L2, &[3, 2, 1]), vec![2, 1]);
+    assert_eq!(d.held_elsewhere(0, Tier::L1, &[1, 4, 5]), vec![1, 4]);
+    assert_eq!(d.held_elsewhere(2, Tier::L2, &[]), Vec::<i64>::new());
+}
