@@ -88,6 +88,7 @@ def test_tiny_run_writes_results_and_report(tmp_path: Path) -> None:
             "evolving",
             *ablations,
             "dynamo",
+            "best-static",
             "best-dynamo-hicache-static",
         }
         assert r["config"]["nodes"] == 4
@@ -239,14 +240,19 @@ def test_baselines_below_their_own_best_static_check() -> None:
 
 
 def test_infrastructure_alone_check() -> None:
-    best = {"best-dynamo-hicache-static": fig(100, split="2P7D")}
-    assert claims.infrastructure_alone(runs(**{"evolving-fixed": fig(130)}, **best)).outcome == (
-        "yes"
-    )
-    assert claims.infrastructure_alone(runs(**{"evolving-fixed": fig(110)}, **best)).outcome == (
-        "partly"
-    )
-    assert claims.infrastructure_alone(runs(**{"evolving-fixed": fig(95)}, **best)).outcome == "no"
+    dyn = {"best-dynamo-hicache-static": fig(100, split="2P7D")}
+
+    def verdict(ours: float) -> claims.Verdict:
+        return claims.infrastructure_alone(runs(**{"best-static": fig(ours, split="3P6D")}, **dyn))
+
+    assert verdict(130).outcome == "yes"
+    assert verdict(110).outcome == "partly"
+    assert verdict(90).outcome == "no"
+    with_fixed = runs(**{"best-static": fig(130), "evolving-fixed": fig(80)}, **dyn)
+    v = claims.infrastructure_alone(with_fixed)
+    assert v.outcome == "yes"  # the start split is shown, not judged
+    assert "evolving-fixed 0.80x" in v.measured
+    assert claims.infrastructure_alone(runs(**dyn)).outcome == "n/a"
 
 
 def test_mechanism_worth_check() -> None:

@@ -300,27 +300,36 @@ def baselines_below_best_static(runs: Runs) -> Verdict:
 
 def infrastructure_alone(runs: Runs) -> Verdict:
     claim = (
-        "the infrastructure alone (no planner, its start split) reaches"
+        "the infrastructure alone (no planner) reaches"
         f" {PAPER_INFRASTRUCTURE_GAIN}x the best static split of Dynamo's"
     )
+    # Ours at its best split against Dynamo's at its own: the split chosen alike, so the ratio
+    # is the infrastructure's alone. `evolving-fixed` (ours at the start split), where run, is
+    # shown beside it: what the infrastructure gives without anyone choosing the split.
     parts, ratios = [], []
-    for label, p in _with(runs, "evolving-fixed"):
+    for label, p in _with(runs, "best-static"):
         for own in ("best-dynamo-static", "best-dynamo-hicache-static"):
-            if own in p:
-                r = _ratio(_tps(p["evolving-fixed"]), _tps(p[own]))
-                ratios.append(r)
-                parts.append(f"{label}: evolving-fixed {r:.2f}x {own} {p[own].get('split', '')}")
+            if own not in p:
+                continue
+            r = _ratio(_tps(p["best-static"]), _tps(p[own]))
+            ratios.append(r)
+            text = f"{label}: best-static {p['best-static'].get('split', '')} {r:.2f}x {own}"
+            text += f" {p[own].get('split', '')}"
+            if "evolving-fixed" in p:
+                text += f" (evolving-fixed {_ratio(_tps(p['evolving-fixed']), _tps(p[own])):.2f}x)"
+            parts.append(text)
     if not ratios:
-        return _na(claim, "evolving-fixed with best-dynamo-static")
+        return _na(claim, "best-static with best-dynamo-static")
     low = PAPER_INFRASTRUCTURE_GAIN * (1 - PARTLY_TOLERANCE)
     if min(ratios) >= low:
         outcome: Outcome = "yes"
         why = f"every ratio >= {low:.2f} (the paper's within {PARTLY_TOLERANCE:.0%})"
-    elif min(ratios) > 1.0:
-        outcome, why = "partly", "above Dynamo's best split everywhere, not by the paper's margin"
+    elif min(ratios) >= 1 - BEST_STATIC_TOLERANCE:
+        outcome = "partly"
+        why = "at or above Dynamo's best split everywhere, not by the paper's margin everywhere"
     else:
         outcome = "no"
-        why = "not above Dynamo's best static split everywhere"
+        why = "below Dynamo's best static split somewhere"
     return Verdict(claim, "; ".join(parts), outcome, why)
 
 

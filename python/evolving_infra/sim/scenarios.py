@@ -225,7 +225,13 @@ def _ablations(size: Size) -> list[ScenarioRun]:
     gpus = QUICK_GPUS if size.quick else 36
     d = size.seconds(FULL_DURATION, QUICK_DURATION)
     cfg = _config(gpus, size, d)
-    policies = ("evolving", *(a.name for a in ABLATIONS), "dynamo", "best-dynamo-hicache-static")
+    policies = (
+        "evolving",
+        *(a.name for a in ABLATIONS),
+        "dynamo",
+        BEST_STATIC,
+        "best-dynamo-hicache-static",
+    )
     workloads = {
         "cc-mid": Workload(CLAUDE_CODE, size.agents(LEVELS["cc"]["mid"] * gpus / 36), d),
         "osworld-mid": Workload("osworld", size.agents(LEVELS["osworld"]["mid"] * gpus / 36), d),
@@ -263,6 +269,7 @@ _LEVEL_CHECKS = (
     evolving_vs_best_static,
     beats_baselines,
     baselines_below_best_static,
+    infrastructure_alone,
     lost_reuse,
     ttft_balancing,
     switch_cost,
