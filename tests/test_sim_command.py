@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +158,20 @@ def test_every_baseline_and_sweep_in_one_run(tmp_path: Path) -> None:
     assert set(policies) == set(names)
     for name in names:
         assert policies[name]["completed"] > 0, name
+
+
+def test_pool_one_copy_is_a_flag_for_the_policies_with_a_pool(tmp_path: Path) -> None:
+    def run(*extra: str) -> dict[str, Any]:
+        out = tmp_path / str(len(extra))
+        args = parse(
+            *("--workload", "cc", "--gpus", "8", "--agents", "6", "--duration", "300"),
+            *("--policies", "evolving,dynamo", "--out", str(out), "--no-progress", *extra),
+        )
+        assert command.run(args) == 0
+        return dict(json.loads((out / "results.json").read_text()))
+
+    per_node, one = run(), run("--pool-one-copy")
+    assert (per_node["config"]["pool_one_copy"], one["config"]["pool_one_copy"]) == (False, True)
+    assert per_node["policies"]["evolving"]["deduped_blocks"] == 0
+    assert one["policies"]["evolving"]["deduped_blocks"] > 0
+    assert one["policies"]["dynamo"]["deduped_blocks"] == 0  # no pool: nothing to share

@@ -291,10 +291,7 @@ def baselines_below_best_static(runs: Runs) -> Verdict:
         why = "some trail their own best split; others (planners that hold a good split) do not"
     else:
         outcome = "no"
-        why = (
-            f"none trails its own best split by more than {BEST_STATIC_TOLERANCE:.0%}: a fair"
-            " baseline's planner rarely moves, and its start split is near its best"
-        )
+        why = f"none trails its own best split by more than {BEST_STATIC_TOLERANCE:.0%}"
     return Verdict(claim, "; ".join(parts), outcome, why)
 
 

@@ -96,7 +96,13 @@ class Cluster:
             Node(
                 i,
                 "prefill" if i < split.prefill else "decode",
-                NodeKv(i, self.directory, self.l1_blocks, l2, pooled=policy.shared_pool),
+                NodeKv(
+                    i,
+                    self.directory,
+                    self.l1_blocks,
+                    l2,
+                    pooled=policy.shared_pool and config.pool_one_copy,
+                ),
                 self.directory,
                 settings,
                 self,

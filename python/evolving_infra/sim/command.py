@@ -99,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default).0f)",
     )
     parser.add_argument(
+        "--pool-one-copy",
+        action="store_true",
+        help="the shared pool (policies with one) keeps one copy of a block, as a key-value "
+        "store does, instead of every node's host memory keeping its own (a sensitivity: "
+        "docs/scenarios.md, 'one copy in the pool')",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="output folder (default: sim-results)"
     )
     parser.add_argument(
@@ -131,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             duration=args.duration,
             decode_allocation=args.decode_allocation,
             switch_restart_s=args.restart_s,
+            pool_one_copy=args.pool_one_copy,
         )
     except ValueError as e:
         raise WorkloadError(str(e)) from None

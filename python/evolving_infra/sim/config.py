@@ -56,6 +56,11 @@ class SimConfig:
     l2_bandwidth_per_gpu: float = DEFAULT_L2_BANDWIDTH
     transfer_latency: float = 1e-3  # seconds per KV transfer: RDMA setup and handshake
     host_memory_per_gpu: float = HOST_MEMORY_PER_GPU  # bytes of L2 per GPU (0: no L2)
+    # The shared pool (policies with one) as a key-value store keeping one copy of a block: a
+    # node demoting a block another node's L2 holds keeps none (`NodeKv.pooled`). Off: every
+    # node's L2 keeps its copies, which the others read (HiCache's per-node host tier). A
+    # sensitivity, not a default: docs/scenarios.md, "one copy in the pool".
+    pool_one_copy: bool = False
     mem_fraction: float = MEM_FRACTION
     activation_reserve_per_gpu: float = ACTIVATION_RESERVE_PER_GPU
     # Phase switches (docs/simulator.md): in place 6.2 s, a restart 700 s.

@@ -26,10 +26,11 @@ decoding request's prompt and crashed on an unknown parent, 2026-12-01.)
 
 L1 evictions are demoted to L2 when the node has one (as SGLang's HiCache writes back), in one
 directory call (`KvDirectory.demote`: the blocks never leave the directory, so no record of
-their parents is needed), L2 evictions drop the block. With `pooled` the nodes' L2s are the
-cluster's shared pool (a key-value store, as Mooncake is: one copy per block): a demoted block
-some other node already holds in L2 leaves this node's L2 at once (`deduped`), so a prompt
-cached on its prefill node and on its decode node takes the pool's room once, not twice.
+their parents is needed), L2 evictions drop the block. With `pooled` (`SimConfig.
+pool_one_copy`) the nodes' L2s are one key-value store keeping one copy per block: a demoted
+block some other node already holds in L2 leaves this node's L2 at once (`deduped`), so a
+prompt cached on its prefill node and on its decode node takes the pool's room once, not
+twice, and is read from the pool rather than from local host memory.
 `BlockParents` is the simulated engine's record of chains (its eviction hints read it);
 `NodeKv` only keeps it for the engine's node to extend (`parents`, None in the simulator).
 

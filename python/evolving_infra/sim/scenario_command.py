@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="policies simulated at once, each in a forked process (memory grows with each); "
         "results are the same as one at a time (default: 1)",
     )
+    run.add_argument(
+        "--pool-one-copy",
+        action="store_true",
+        help="the shared pool keeps one copy of a block (a sensitivity; `sim --pool-one-copy`)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     check = sub.add_parser("check", help="recompute the claims of scenario results on disk")
     check.add_argument(
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             path = recheck(folder)
             print(f"rewrote {path.parent}/results.json and report.md", file=sys.stderr)
         return 0
-    size = Size(quick=args.quick, seed=args.seed)
+    size = Size(quick=args.quick, seed=args.seed, pool_one_copy=args.pool_one_copy)
     check_output_folder(args.out, "--out")  # before the runs, not after them
     path = run_to(args.name, size, args.out, progress=not args.no_progress, jobs=args.jobs)
     print(path.read_text(encoding="utf-8"), end="")

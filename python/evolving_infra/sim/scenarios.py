@@ -90,6 +90,7 @@ class Size:
     seed: int = 0
     duration: float | None = None
     max_agents: int | None = None
+    pool_one_copy: bool = False  # `SimConfig.pool_one_copy`: a sensitivity run
 
     def agents(self, n: float) -> int:
         a = max(1, round(n))
@@ -164,7 +165,7 @@ class Scenario:
 
 
 def _config(gpus: int, size: Size, duration: float) -> SimConfig:
-    return SimConfig(gpus=gpus, seed=size.seed, duration=duration)
+    return SimConfig(gpus=gpus, seed=size.seed, duration=duration, pool_one_copy=size.pool_one_copy)
 
 
 def _level(kind: str, level: str) -> Callable[[Size], list[ScenarioRun]]:
