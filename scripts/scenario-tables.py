@@ -51,7 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     cols = args.baselines.split(",")
     rows = [(r, p) for r, p in _rows(args.folder) if "evolving" in p]
-    level = [(r, p) for r, p in rows if not any(a in p for a in ABLATIONS)]
+    # One policy alone (initial-splits) has nothing to compare.
+    level = [(r, p) for r, p in rows if len(p) > 1 and not any(a in p for a in ABLATIONS)]
 
     print("| scenario | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
