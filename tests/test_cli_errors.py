@@ -312,6 +312,8 @@ def _write(path: Path, text: str) -> Path:
         (["router", "--engines", "127.0.0.1:1", "127.0.0.1:2", "--port", "0",
           "--tokenizer", "{tmp}/missing.json"], "{tmp}/missing.json: not a tokenizer.json"),
         (["router", "--engines", "127.0.0.1:1"], "needs at least two, a prefill and a decode"),
+        (["scenario", "check", "{tmp}/empty"], "{tmp}/empty/results.json does not exist"),
+        (["scenario", "check", "{tmp}"], "{tmp}/results.json does not exist"),
         (["engine", "--model", "llama-3-70b", "--tp", "1", "--port", "0"],
          "weights leave no GPU memory for KV (llama-3-70b on 1 x h100-sxm): give more GPUs"),
     ],
