@@ -145,6 +145,11 @@ def _prior_fits(deployment: Deployment) -> dict[Phase, _Fit]:
     by the weight read); attention FLOPs per query-key pair and KV bytes per cached token add.
     """
     m, g, tp = deployment.model, deployment.gpu, deployment.tp
+    if not m.dense_gqa:
+        raise ValueError(
+            f"{m.name}: the prior knows dense GQA models only; mixture of experts and latent"
+            " attention are not modelled yet (issue 25)"
+        )
     bw = tp * g.hbm_bandwidth * PRIOR_MEMORY_EFF
     weight_s = m.weight_bytes / bw
     comm, comm0 = 0.0, 0.0

@@ -92,6 +92,11 @@ class RooflineTruth:
     ) -> None:
         if deployment.tp < 1:
             raise TruthInputError(f"tensor parallelism must be >= 1, got {deployment.tp}")
+        if not deployment.model.dense_gqa:
+            raise TruthInputError(
+                f"{deployment.model.name}: the ground truth times dense GQA models only; mixture"
+                " of experts and latent attention are not modelled yet (issue 25)"
+            )
         if not math.isfinite(noise) or noise < 0:
             raise TruthInputError(f"noise must be a finite sigma >= 0, got {noise}")
         self.deployment = deployment
