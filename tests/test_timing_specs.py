@@ -64,11 +64,67 @@ def test_gb300_peaks() -> None:
     assert H100.fp8_flops == pytest.approx(2 * H100.flops, rel=1e-3)
 
 
-@pytest.mark.parametrize("model", [KIMI_K2, GLM_4_5], ids=lambda m: m.name)
-def test_models_the_timing_does_not_know_yet_are_refused_not_mistimed(model: object) -> None:
-    deployment = Deployment(model, GB300, tp=4)  # type: ignore[arg-type]
+def test_latent_attention_is_refused_not_mistimed() -> None:
+    deployment = Deployment(KIMI_K2, GB300, tp=4)
     with pytest.raises(TruthInputError, match="issue 25"):
         RooflineTruth(deployment)
     with pytest.raises(ValueError, match="issue 25"):
         IterationModel(prior=deployment)
-    assert model not in MODELS.values()
+    assert KIMI_K2 not in MODELS.values()
+    assert MODELS["glm-4.5"] is GLM_4_5
+
+
+# -- the ground truth of a mixture of experts ---------------------------------------------------
+
+GLM_GB300 = Deployment(GLM_4_5, GB300, tp=4)
+
+
+def test_a_batch_touches_more_experts_until_it_touches_all() -> None:
+    m = GLM_4_5
+    assert m.distinct_experts(1) == pytest.approx(8)
+    assert m.distinct_experts(0) == 0.0
+    touched = [m.distinct_experts(t) for t in (1, 4, 16, 64, 256, 4096)]
+    assert touched == sorted(touched)
+    assert touched[-1] == pytest.approx(160, rel=1e-6)
+    assert m.distinct_experts(64) < 64 * 8  # tokens share experts
+
+
+def test_decode_reads_more_expert_weights_as_the_batch_grows() -> None:
+    truth = RooflineTruth(GLM_GB300, noise=0.0)
+    experts = [truth.breakdown_decode(b, b * 1024)["experts"] for b in (1, 8, 64, 512)]
+    assert experts == sorted(experts)
+    # At batch 1 a step reads 8 experts per layer; at 512 nearly all 160, near the HBM
+    # roofline: the experts' term grows ~20x, not 512x.
+    assert 10 < experts[-1] / experts[0] < 25
+    m, gpu, e = GLM_4_5, GB300, truth.efficiency
+    every = m.moe_layers * m.experts * m.expert_params * m.expert_bytes_per_param / 4
+    floor = every / (gpu.hbm_bandwidth * e.memory)
+    assert floor <= experts[-1] < 1.3 * floor  # the weights, and the activations beside them
+    # A dense model reads all its weights at batch 1 already: no such term.
+    assert "experts" not in RooflineTruth(noise=0.0).breakdown_decode(8, 8192)
+
+
+def test_nvfp4_experts_run_at_the_fp4_peak_where_the_gpu_has_one() -> None:
+    fast = RooflineTruth(GLM_GB300, noise=0.0)
+    no_fp4 = dataclasses.replace(GB300, fp4_flops=0.0)
+    slow = RooflineTruth(Deployment(GLM_4_5, no_fp4, tp=4), noise=0.0)
+    batch = [(8192, 0)]
+    assert fast.breakdown_prefill(batch)["experts"] < slow.breakdown_prefill(batch)["experts"]
+    # Everything else runs in BF16 either way.
+    assert fast.breakdown_prefill(batch)["qkv"] == slow.breakdown_prefill(batch)["qkv"]
+
+
+def test_the_prior_of_a_mixture_counts_the_active_weights() -> None:
+    m = GLM_4_5
+    assert m.active_params == pytest.approx(32e9, rel=0.1)  # "32 billion active"
+    assert m.active_weight_bytes < m.weight_bytes
+    assert LLAMA3_70B.active_params == LLAMA3_70B.linear_params
+    assert LLAMA3_70B.active_weight_bytes == LLAMA3_70B.weight_bytes
+    prior = IterationModel(prior=GLM_GB300)
+    truth = RooflineTruth(GLM_GB300, noise=0.0)
+    # Within 2x of the truth where it matters: the prior starts the fit, it does not end it.
+    for b in (1, 64):
+        ratio = prior.predict_decode(b, b * 4096) / truth.expected_decode_time(b, b * 4096)
+        assert 0.5 < ratio < 2.0
+    ratio = prior.predict_prefill_one(8192, 0) / truth.expected_prefill_time([(8192, 0)])
+    assert 0.5 < ratio < 2.0

@@ -63,8 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpus", type=positive_int, default=36, help="GPUs (default: 36)")
     parser.add_argument("--tp", type=positive_int, default=4, help="GPUs per node (default: 4)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama-3-70b")
-    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100-sxm")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="llama-3-70b",
+        help="the model: dense Llama 3 (BF16), or glm-4.5, a mixture of experts (160 experts, 8 "
+        "per token) with NVFP4 experts and an FP8 KV cache (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPUS),
+        default="h100-sxm",
+        help="the GPU (gb300: Blackwell Ultra, with NVFP4 tensor cores) (default: %(default)s)",
+    )
     parser.add_argument(
         "--agents", type=positive_int, default=50, help="concurrent agent slots (default: 50)"
     )

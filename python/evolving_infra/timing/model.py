@@ -145,22 +145,24 @@ def _prior_fits(deployment: Deployment) -> dict[Phase, _Fit]:
     by the weight read); attention FLOPs per query-key pair and KV bytes per cached token add.
     """
     m, g, tp = deployment.model, deployment.gpu, deployment.tp
-    if not m.dense_gqa:
+    if not m.timed:
         raise ValueError(
-            f"{m.name}: the prior knows dense GQA models only; mixture of experts and latent"
-            " attention are not modelled yet (issue 25)"
+            f"{m.name}: the prior knows GQA models only; latent attention is not modelled yet"
+            " (issue 25)"
         )
     bw = tp * g.hbm_bandwidth * PRIOR_MEMORY_EFF
-    weight_s = m.weight_bytes / bw
+    # What one token reads (a mixture of experts reads more as the batch grows: the fit learns
+    # it); a dense model reads all of it.
+    weight_s = m.active_weight_bytes / bw
     comm, comm0 = 0.0, 0.0
     if tp > 1:
         moved = 2 * (tp - 1) / tp * m.hidden * m.bytes_per_param  # ring all-reduce, per token
         comm = 2 * m.layers * moved / (g.link_bandwidth * PRIOR_LINK_EFF)
         comm0 = 2 * m.layers * PRIOR_ALLREDUCE_S
     kv_s = m.kv_bytes_per_token / bw
-    pre_slope = 2 * m.linear_params / (tp * g.flops * PRIOR_COMPUTE_EFF)
+    pre_slope = 2 * m.active_params / (tp * g.flops * PRIOR_COMPUTE_EFF)
     # Decode runs the LM head for every token; prefill only for the last one (ignored).
-    dec_slope = 2 * (m.linear_params + m.head_params) / (tp * g.flops * PRIOR_COMPUTE_EFF)
+    dec_slope = 2 * (m.active_params + m.head_params) / (tp * g.flops * PRIOR_COMPUTE_EFF)
     attn = m.attention_flops_per_pair / (tp * g.flops * PRIOR_ATTENTION_EFF)
     floor = PRIOR_OVERHEAD_S + weight_s + comm0
     pre = np.array([floor, comm, pre_slope, attn, kv_s])

@@ -7,9 +7,8 @@ efficiencies, the predictor learns what the hardware really does.
 
 The paper's deployment (issue 25: GB300, mixture-of-experts models, NVFP4 weights, FP8 KV) is
 described here (`GB300`, `KIMI_K2`, `GLM_4_5`; figures and sources in
-docs/research/deployment-figures.md), but the ground truth and the prior time dense GQA models
-only so far: they refuse the others (`ModelConfig.dense_gqa`), and the MoE models are not in
-`MODELS` until they time them.
+docs/research/deployment-figures.md). The ground truth and the prior time GQA models, dense or
+MoE (`GLM_4_5` on `GB300`); latent attention (`KIMI_K2`) they refuse (`ModelConfig.timed`).
 """
 
 from __future__ import annotations
@@ -62,9 +61,10 @@ class ModelConfig:
             raise ValueError(f"{self.name}: need 0 <= dense_layers <= layers")
 
     @property
-    def dense_gqa(self) -> bool:
-        """A dense model with GQA attention: what the ground truth and the prior time today."""
-        return self.experts == 0 and self.kv_lora_rank == 0
+    def timed(self) -> bool:
+        """What the ground truth and the prior time today: GQA attention, dense or a mixture
+        of experts (latent attention is not modelled yet)."""
+        return self.kv_lora_rank == 0
 
     @property
     def moe_layers(self) -> int:
@@ -99,6 +99,38 @@ class ModelConfig:
     @property
     def linear_params(self) -> int:
         return self.layers * self.linear_params_per_layer
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token multiplies through (the LM head aside): every layer's attention,
+        the dense layers' MLP, and in each MoE layer its router, shared experts and the
+        `experts_per_token` routed ones. A dense model's `linear_params`."""
+        if not self.experts:
+            return self.linear_params
+        mlp = 3 * self.hidden * self.intermediate
+        per_moe = (
+            self.hidden * self.experts
+            + (self.shared_experts + self.experts_per_token) * self.expert_params
+        )
+        attention = self.layers * self.attention_params_per_layer
+        return attention + self.dense_layers * mlp + self.moe_layers * per_moe
+
+    @property
+    def active_weight_bytes(self) -> int:
+        """The weights one token alone reads: `weight_bytes` with only `experts_per_token`
+        routed experts per MoE layer (the floor of a decode step at batch 1)."""
+        if not self.experts:
+            return self.weight_bytes
+        unread = self.moe_layers * (self.experts - self.experts_per_token) * self.expert_params
+        return round(self.weight_bytes - unread * self.expert_bytes_per_param)
+
+    def distinct_experts(self, tokens: float) -> float:
+        """Routed experts a batch of `tokens` touches in one MoE layer, expected, with each
+        token choosing `experts_per_token` of `experts` uniformly: E(1 - (1 - k/E)^tokens)."""
+        if not self.experts or tokens <= 0:
+            return 0.0
+        e, k = self.experts, self.experts_per_token
+        return float(e * (1.0 - (1.0 - k / e) ** tokens))
 
     @property
     def head_params(self) -> int:
@@ -214,7 +246,8 @@ GB300 = GpuSpec("gb300", 2.5e15, 8e12, 288e9, 900e9, fp8_flops=5e15, fp4_flops=1
 # README, K2-family configs): 61 layers (1 dense), 7168 hidden, 64 heads, MLA (latent 512,
 # rotary 64, head 128), 384 experts of 2048, 8 per token, 1 shared. GLM-4.5 (zai-org README,
 # NVIDIA Megatron-Bridge): 92 layers (3 dense), 5120 hidden, 96 heads, 8 KV heads of 128, 160
-# experts of 1536, 8 per token, 1 shared. Not in `MODELS`: the truth does not time MoE yet.
+# experts of 1536, 8 per token, 1 shared. Kimi K2 is not in `MODELS`: the truth does not time
+# latent attention yet.
 NVFP4 = 0.5625
 KIMI_K2 = ModelConfig(
     name="kimi-k2",
@@ -254,8 +287,9 @@ GLM_4_5 = ModelConfig(
     expert_bytes_per_param=NVFP4,
 )
 
-MODELS = {m.name: m for m in (LLAMA3_70B, LLAMA3_8B)}
-GPUS = {g.name: g for g in (H100, H200, A100)}
+
+MODELS = {m.name: m for m in (LLAMA3_70B, LLAMA3_8B, GLM_4_5)}
+GPUS = {g.name: g for g in (H100, H200, A100, GB300)}
 
 # The paper's main setting: Llama-3-70B at TP4 on H100s.
 DEFAULT_DEPLOYMENT = Deployment(LLAMA3_70B, H100, tp=4)

@@ -92,10 +92,10 @@ class RooflineTruth:
     ) -> None:
         if deployment.tp < 1:
             raise TruthInputError(f"tensor parallelism must be >= 1, got {deployment.tp}")
-        if not deployment.model.dense_gqa:
+        if not deployment.model.timed:
             raise TruthInputError(
-                f"{deployment.model.name}: the ground truth times dense GQA models only; mixture"
-                " of experts and latent attention are not modelled yet (issue 25)"
+                f"{deployment.model.name}: the ground truth times GQA models only; latent"
+                " attention is not modelled yet (issue 25)"
             )
         if not math.isfinite(noise) or noise < 0:
             raise TruthInputError(f"noise must be a finite sigma >= 0, got {noise}")
@@ -166,19 +166,34 @@ class RooflineTruth:
         # Lognormal with a zero-mean log: the median iteration is the expected one.
         return math.exp(self._rng.gauss(0.0, self.noise)) if self.noise > 0 else 1.0
 
-    def _roofline(self, flops: float, compute_eff: float, nbytes: float) -> float:
+    def _roofline(
+        self, flops: float, compute_eff: float, nbytes: float, peak: float | None = None
+    ) -> float:
         gpu, e = self.deployment.gpu, self.efficiency
-        compute = flops / (gpu.flops * compute_eff) if flops > 0 else 0.0
+        top = gpu.flops if peak is None else peak
+        compute = flops / (top * compute_eff) if flops > 0 else 0.0
         return max(compute, nbytes / (gpu.hbm_bandwidth * e.memory))
 
-    def _gemm(self, rows: int, d_in: float, d_out: float) -> float:
-        """One GEMM of `rows` tokens by a (d_in x d_out) weight shard: weights read once."""
+    def _gemm(
+        self,
+        rows: float,
+        d_in: float,
+        d_out: float,
+        bpp: float | None = None,
+        peak: float | None = None,
+    ) -> float:
+        """One GEMM of `rows` tokens by a (d_in x d_out) weight shard: weights read once, at
+        `bpp` bytes a weight (default: the model's) and the `peak` FLOP/s of their precision."""
         if rows == 0:
             return 0.0
-        e, bpp = self.efficiency, self.deployment.model.bytes_per_param
+        e = self.efficiency
+        w = self.deployment.model.bytes_per_param if bpp is None else bpp
         eff = e.gemm_max * rows / (rows + e.gemm_half)
-        nbytes = bpp * (d_in * d_out + rows * (d_in + d_out))
-        return self._roofline(2.0 * rows * d_in * d_out, eff, nbytes)
+        if bpp is None:
+            nbytes = w * (d_in * d_out + rows * (d_in + d_out))
+        else:  # weights at their own precision; activations move in BF16 whatever they are
+            nbytes = w * d_in * d_out + 2 * rows * (d_in + d_out)
+        return self._roofline(2.0 * rows * d_in * d_out, eff, nbytes, peak)
 
     def _dense(self, tokens: int, lm_rows: int) -> dict[str, float]:
         """Token-parallel work: the layers' GEMMs, element-wise kernels, all-reduces, LM head
@@ -192,6 +207,8 @@ class RooflineTruth:
         return dict(done)
 
     def _dense_terms(self, tokens: int, lm_rows: int) -> dict[str, float]:
+        if self.deployment.model.experts:
+            return self._moe_terms(tokens, lm_rows)
         m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
         h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
         # Column-parallel QKV and gate/up, row-parallel O and down (Megatron sharding).
@@ -211,6 +228,56 @@ class RooflineTruth:
         else:
             # Ring all-reduce: every rank sends and receives 2(tp-1)/tp of the activations.
             moved = 2 * (tp - 1) / tp * tokens * h * m.bytes_per_param
+            one = e.all_reduce_latency + moved / (self.deployment.gpu.link_bandwidth * e.link)
+            out["all_reduce"] = 2 * m.layers * one
+        return out
+
+    def _expert_peak(self) -> float:
+        """FLOP/s the routed experts' GEMMs run at: their weights' precision, when the GPU has
+        tensor cores for it (NVFP4 at 4.5 bits a weight, FP8 at 1 byte), else BF16."""
+        m, gpu = self.deployment.model, self.deployment.gpu
+        if m.expert_bytes_per_param < 1 and gpu.fp4_flops > 0:
+            return gpu.fp4_flops
+        if m.expert_bytes_per_param <= 1 and gpu.fp8_flops > 0:
+            return gpu.fp8_flops
+        return gpu.flops
+
+    def _moe_terms(self, tokens: int, lm_rows: int) -> dict[str, float]:
+        """`_dense_terms` of a mixture of experts (GQA attention). Each MoE layer runs its
+        router and shared experts over every token, and each routed expert the batch touches
+        (`ModelConfig.distinct_experts`, expected) over its share of the tokens: one grouped
+        GEMM per expert, whose weights are read once however few rows it has, so a decode step
+        reads more of the weights as the batch grows, until every expert is read. Experts are
+        sharded over the node's `tp` GPUs as the MLP is (tensor-parallel MoE)."""
+        m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
+        h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+        k, ie = m.experts_per_token, m.expert_intermediate
+        touched = m.distinct_experts(tokens)
+        rows = tokens * k / touched if touched > 0 else 0.0
+        wb, peak = m.expert_bytes_per_param, self._expert_peak()
+        shared = m.shared_experts * ie
+        out = {
+            "qkv": m.layers * self._gemm(tokens, h, (q + 2 * kv) / tp),
+            "o_proj": m.layers * self._gemm(tokens, q / tp, h),
+            "mlp_gate_up": m.dense_layers * self._gemm(tokens, h, 2 * m.intermediate / tp),
+            "mlp_down": m.dense_layers * self._gemm(tokens, m.intermediate / tp, h),
+            "router": m.moe_layers * self._gemm(tokens, h, m.experts),
+            "shared_experts": m.moe_layers
+            * (self._gemm(tokens, h, 2 * shared / tp) + self._gemm(tokens, shared / tp, h)),
+            "experts": m.moe_layers
+            * touched
+            * (self._gemm(rows, h, 2 * ie / tp, wb, peak) + self._gemm(rows, ie / tp, h, wb, peak)),
+            "lm_head": self._gemm(lm_rows, h, m.vocab / tp),
+        }
+        # Element-wise as for a dense model, each layer's MLP activations those it runs: the
+        # dense MLP, or the shared and the `k` routed experts' (a token's share of the batch).
+        act = m.dense_layers * m.intermediate + m.moe_layers * (shared + k * ie)
+        per_token = 2 * (8 * h * m.layers + 3 * act / tp)
+        out["elementwise"] = self._roofline(0.0, 1.0, tokens * per_token)
+        if tp == 1:
+            out["all_reduce"] = 0.0
+        else:
+            moved = 2 * (tp - 1) / tp * tokens * h * 2  # BF16 activations
             one = e.all_reduce_latency + moved / (self.deployment.gpu.link_bandwidth * e.link)
             out["all_reduce"] = 2 * m.layers * one
         return out
