@@ -145,10 +145,15 @@ class DynamoPlanner(PlannerGate):
             return 1
         return -1 if value < down and may_shrink(value, ready, up_at, self.min_nodes) else 0
 
-    def estimates(self, s: SliceStats, model: IterationModel) -> tuple[float, float]:
+    def estimates(
+        self, s: SliceStats, model: IterationModel, own: float | None = None
+    ) -> tuple[float, float]:
         """(estimated TTFT, estimated ITL) in seconds of the least loaded prefill and decode
-        engines (`load`): a phase is short only when these are over the SLA."""
-        ttft = s.min_prefill_queue_s + self.one_prefill(s, model)
+        engines (`load`): a phase is short only when these are over the SLA. `own`: the next
+        request's prefill alone, when the caller has it (`one_prefill`)."""
+        if own is None:
+            own = self.one_prefill(s, model)
+        ttft = s.min_prefill_queue_s + own
         return ttft, self.itl(s, model, s.min_decode_kv_requests, s.min_decode_kv_tokens)
 
     def itl(self, s: SliceStats, model: IterationModel, requests: float, tokens: float) -> float:
@@ -165,13 +170,14 @@ class DynamoPlanner(PlannerGate):
         """The SLA loop's ±1 per phase (prefill, decode): +1 when every engine is over the SLA,
         -1 when the consolidation guards let one go, else 0."""
         k = self.down_sensitivity
-        ttft, itl = self.estimates(s, model)
+        own = self.one_prefill(s, model)  # t_own, in the estimate and in the prefill budget
+        ttft, itl = self.estimates(s, model, own)
         prefill = decode = 0
         if ttft > self.ttft_sla:
             prefill = 1
         elif split.prefill > self.min_nodes:
             c = split.prefill / (split.prefill - 1)
-            budget = (self.ttft_sla - self.one_prefill(s, model)) * k
+            budget = (self.ttft_sla - own) * k
             if budget > 0 and s.max_prefill_queue_s * c < budget:
                 prefill = -1
         if itl > self.itl_sla:

@@ -22,9 +22,10 @@ blocks are always added whole (a shared prefix of two branches in flight on one 
 twice), which can only make its prefill choice a little less sticky.
 
 Device overlap is the leading prompt blocks in the node's L1, host overlap the further leading
-blocks in its L2 (`l12 - l1`). Dynamo's `dynamo` policy in the simulator has no shared cache
-(its KVBM tiers are per worker, docs/simulator.md), so `count_shared_cache` is off by default;
-when on, shared blocks are the pool's leading blocks beyond the node's own (`pool - l12`).
+blocks in its L2 (`l12 - l1`). Dynamo ships with no shared cache (`shared_cache_type` none,
+docs/baselines.md §1b), so `count_shared_cache` is off by default; `dynamo-hicache` turns it on
+(HiCache with a Mooncake store): shared blocks are the pool's leading blocks beyond the node's
+own (`pool - l12`), credited x 0.5.
 Disk tiers (x 0.25) do not exist in the simulator. `router_temperature` is 0 (Dynamo's
 default): the argmin, equal costs broken uniformly at random (`selector/reference.rs:527-545`,
 reservoir sampling with `fastrand`): here `random.Random(seed)` draws among the tied nodes
@@ -41,7 +42,7 @@ None), and none is applied here.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -54,6 +55,12 @@ from evolving_infra.routing.index import LoadIndex, keys, minima
 def pick(tied: Sequence[int], rng: random.Random) -> int:
     """One of the tied nodes (ascending ids), uniformly; no draw when there is one."""
     return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+
+
+def cheapest(costs: Mapping[int, float], rng: random.Random) -> int:
+    """The node of least cost, equal costs drawn among (`pick`, in id order)."""
+    best = min(costs.values())
+    return pick(sorted(n for n, c in costs.items() if c == best), rng)
 
 
 class DynamoRouter:
@@ -113,9 +120,7 @@ class DynamoRouter:
     def choose_prefill(
         self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
     ) -> int:
-        costs = self.costs(request, nodes, directory)
-        best = min(costs.values())
-        return pick(sorted(n for n, c in costs.items() if c == best), self.rng)
+        return cheapest(self.costs(request, nodes, directory), self.rng)
 
     def choose_decode(
         self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
@@ -192,8 +197,7 @@ class DynamoIndex(LoadIndex):
         if rest:
             cost = r.cost(request, self.loads[ids[rest[0]]], 0, 0, pool)
             costs.update((ids[k], cost) for k in rest)
-        best = min(costs.values())
-        return pick(sorted(n for n, c in costs.items() if c == best), r.rng)
+        return cheapest(costs, r.rng)
 
     def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
         ids = self._need("decode")

@@ -207,22 +207,34 @@ class RooflineTruth:
         return dict(done)
 
     def _dense_terms(self, tokens: int, lm_rows: int) -> dict[str, float]:
-        if self.deployment.model.experts:
-            return self._moe_terms(tokens, lm_rows)
         m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
         h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+        # The layers with a dense MLP: all of them, or a mixture's first `dense_layers`.
+        dense = m.dense_layers if m.experts else m.layers
         # Column-parallel QKV and gate/up, row-parallel O and down (Megatron sharding).
         out = {
             "qkv": m.layers * self._gemm(tokens, h, (q + 2 * kv) / tp),
             "o_proj": m.layers * self._gemm(tokens, q / tp, h),
-            "mlp_gate_up": m.layers * self._gemm(tokens, h, 2 * m.intermediate / tp),
-            "mlp_down": m.layers * self._gemm(tokens, m.intermediate / tp, h),
-            "lm_head": self._gemm(lm_rows, h, m.vocab / tp),
+            "mlp_gate_up": dense * self._gemm(tokens, h, 2 * m.intermediate / tp),
+            "mlp_down": dense * self._gemm(tokens, m.intermediate / tp, h),
         }
+        if m.experts:
+            out.update(self._moe_terms(tokens))
+        out["lm_head"] = self._gemm(lm_rows, h, m.vocab / tp)
         # Fused add+RMSNorm twice (read x and residual, write both) and SiLU-and-mul (read 2,
         # write 1 of the sharded intermediate): memory-bound, replicated on every rank.
-        per_token = m.bytes_per_param * (8 * h + 3 * m.intermediate / tp)
-        out["elementwise"] = self._roofline(0.0, 1.0, m.layers * tokens * per_token)
+        if m.experts:
+            # Each layer's MLP activations are those it runs: the dense MLP, or the shared and
+            # the `k` routed experts' (a token's share of the batch), in BF16.
+            act = m.dense_layers * m.intermediate + m.moe_layers * (
+                m.shared_experts * m.expert_intermediate
+                + m.experts_per_token * m.expert_intermediate
+            )
+            per_token = 2 * (8 * h * m.layers + 3 * act / tp)
+            out["elementwise"] = self._roofline(0.0, 1.0, tokens * per_token)
+        else:
+            per_token = m.bytes_per_param * (8 * h + 3 * m.intermediate / tp)
+            out["elementwise"] = self._roofline(0.0, 1.0, m.layers * tokens * per_token)
         if tp == 1:
             out["all_reduce"] = 0.0
         else:
@@ -242,45 +254,27 @@ class RooflineTruth:
             return gpu.fp8_flops
         return gpu.flops
 
-    def _moe_terms(self, tokens: int, lm_rows: int) -> dict[str, float]:
-        """`_dense_terms` of a mixture of experts (GQA attention). Each MoE layer runs its
+    def _moe_terms(self, tokens: int) -> dict[str, float]:
+        """A mixture's MoE layers (GQA attention; `_dense_terms` has the rest). Each runs its
         router and shared experts over every token, and each routed expert the batch touches
         (`ModelConfig.distinct_experts`, expected) over its share of the tokens: one grouped
         GEMM per expert, whose weights are read once however few rows it has, so a decode step
         reads more of the weights as the batch grows, until every expert is read. Experts are
         sharded over the node's `tp` GPUs as the MLP is (tensor-parallel MoE)."""
-        m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
-        h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
-        k, ie = m.experts_per_token, m.expert_intermediate
+        m, tp = self.deployment.model, self.deployment.tp
+        h, k, ie = m.hidden, m.experts_per_token, m.expert_intermediate
         touched = m.distinct_experts(tokens)
         rows = tokens * k / touched if touched > 0 else 0.0
         wb, peak = m.expert_bytes_per_param, self._expert_peak()
         shared = m.shared_experts * ie
-        out = {
-            "qkv": m.layers * self._gemm(tokens, h, (q + 2 * kv) / tp),
-            "o_proj": m.layers * self._gemm(tokens, q / tp, h),
-            "mlp_gate_up": m.dense_layers * self._gemm(tokens, h, 2 * m.intermediate / tp),
-            "mlp_down": m.dense_layers * self._gemm(tokens, m.intermediate / tp, h),
+        return {
             "router": m.moe_layers * self._gemm(tokens, h, m.experts),
             "shared_experts": m.moe_layers
             * (self._gemm(tokens, h, 2 * shared / tp) + self._gemm(tokens, shared / tp, h)),
             "experts": m.moe_layers
             * touched
             * (self._gemm(rows, h, 2 * ie / tp, wb, peak) + self._gemm(rows, ie / tp, h, wb, peak)),
-            "lm_head": self._gemm(lm_rows, h, m.vocab / tp),
         }
-        # Element-wise as for a dense model, each layer's MLP activations those it runs: the
-        # dense MLP, or the shared and the `k` routed experts' (a token's share of the batch).
-        act = m.dense_layers * m.intermediate + m.moe_layers * (shared + k * ie)
-        per_token = 2 * (8 * h * m.layers + 3 * act / tp)
-        out["elementwise"] = self._roofline(0.0, 1.0, tokens * per_token)
-        if tp == 1:
-            out["all_reduce"] = 0.0
-        else:
-            moved = 2 * (tp - 1) / tp * tokens * h * 2  # BF16 activations
-            one = e.all_reduce_latency + moved / (self.deployment.gpu.link_bandwidth * e.link)
-            out["all_reduce"] = 2 * m.layers * one
-        return out
 
     def _prefill_attention(self, uncached: int, cached: int) -> float:
         """Causal attention of `uncached` new queries over `cached` + `uncached` keys."""
