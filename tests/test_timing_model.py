@@ -16,9 +16,21 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.model import PRIOR_MEMORY_EFF, IterationModel
 from evolving_infra.timing.samples import BadSampleError, PrefillBatch, Sample
-from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, H200, LLAMA3_8B, Deployment
+from evolving_infra.timing.specs import (
+    DEFAULT_DEPLOYMENT,
+    GB300,
+    GLM_4_5,
+    H100,
+    H200,
+    KIMI_K2,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    Deployment,
+    GpuSpec,
+    ModelConfig,
+)
 from evolving_infra.timing.truth import RooflineTruth
 
 Batch = list[tuple[int, int]]
@@ -369,6 +381,64 @@ def test_prior_alone_is_within_a_factor_of_two_of_the_roofline(deployment: Deplo
         for ctx in (100, 2000, 30000):
             ratios.append(m.predict_decode(b_, b_ * ctx) / truth.expected_decode_time(b_, b_ * ctx))
     print(f"\nprior/truth ratio, {deployment.model.name}: {min(ratios):.2f}-{max(ratios):.2f}")
+    assert min(ratios) > 0.5
+    assert max(ratios) < 2.0
+
+
+def _prior_ratios(
+    deployment: Deployment, decode: list[tuple[int, int]], prefill: list[tuple[int, int]]
+) -> list[float]:
+    """prior / truth on decode (B, tokens of context each) and single prefills (u, c)."""
+    m = IterationModel(prior=deployment)
+    truth = RooflineTruth(deployment, noise=0.0)
+    ratios = [m.predict_decode(b, b * c) / truth.expected_decode_time(b, b * c) for b, c in decode]
+    ratios += [
+        m.predict_prefill_one(u, c) / truth.expected_prefill_time([(u, c)]) for u, c in prefill
+    ]
+    return ratios
+
+
+PREFILLS = [(8192, 0), (8192, 8192), (2048, 65536)]
+
+
+def test_prior_of_latent_attention_reads_the_whole_latent_per_gpu() -> None:
+    """Kimi K2's prior: a context token costs the whole latent on one GPU (not 1/tp of it, as
+    GQA's KV does), and it is within 2x of the truth at batch 1 and on long prefills (with or
+    without a cached prefix). Not in between: like GLM-4.5's, the prior reads only the active
+    experts, where a decode batch of 4-512 touches up to all 384 a layer (0.25-0.9 of the
+    truth): the fit learns that."""
+    for tp in (4, 8):
+        coef = IterationModel(prior=Deployment(KIMI_K2, GB300, tp=tp)).coefficients
+        want = KIMI_K2.kv_bytes_per_token / (GB300.hbm_bandwidth * PRIOR_MEMORY_EFF)
+        assert coef["decode"]["context"] == pytest.approx(want)
+        assert coef["prefill"]["cached"] == pytest.approx(want)
+    gqa = IterationModel(prior=Deployment(GLM_4_5, GB300, tp=4)).coefficients
+    want = GLM_4_5.kv_bytes_per_token / (4 * GB300.hbm_bandwidth * PRIOR_MEMORY_EFF)
+    assert gqa["decode"]["context"] == pytest.approx(want)
+    ratios = _prior_ratios(Deployment(KIMI_K2, GB300, tp=4), [(1, 2048), (1, 30000)], PREFILLS)
+    print(f"\nprior/truth ratio, kimi-k2: {min(ratios):.2f}-{max(ratios):.2f}")
+    assert min(ratios) > 0.5
+    assert max(ratios) < 2.0
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu"),
+    [(KIMI_K2, GB300), (GLM_4_5, GB300), (LLAMA3_70B, H100)],
+    ids=["kimi", "glm", "llama"],
+)
+def test_prior_with_mtp_is_near_the_truth(model: ModelConfig, gpu: GpuSpec) -> None:
+    """With 3 draft tokens: a decode step costs more than a plain one and less than 4, within
+    2x of the truth at batch 1 and at 256 x 8k, and so are long prefills (plus a draft layer)."""
+    plain = Deployment(model, gpu, tp=4)
+    mtp = Deployment(model, gpu, tp=4, mtp_draft_tokens=3, mtp_accepted=2.5)
+    p0, p3 = IterationModel(prior=plain), IterationModel(prior=mtp)
+    for b, c in [(1, 2048), (64, 64 * 4096)]:
+        assert p0.predict_decode(b, c) < p3.predict_decode(b, c) < 4 * p0.predict_decode(b, c)
+    # Past the knee the verify's 4 rows a request and 3 draft steps cost > 4x a plain row.
+    assert p3.coefficients["decode"]["hinge"] > 4 * p0.coefficients["decode"]["hinge"]
+    assert p3.predict_prefill_one(8192, 0) > p0.predict_prefill_one(8192, 0)
+    ratios = _prior_ratios(mtp, [(1, 2048), (1, 30000), (256, 8192)], PREFILLS)
+    print(f"\nprior/truth ratio with MTP, {mtp.model.name}: {min(ratios):.2f}-{max(ratios):.2f}")
     assert min(ratios) > 0.5
     assert max(ratios) < 2.0
 

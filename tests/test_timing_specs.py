@@ -7,17 +7,19 @@ import dataclasses
 
 import pytest
 
+from evolving_infra.sim.config import SimConfig
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.specs import (
     GB300,
     GLM_4_5,
     H100,
     KIMI_K2,
+    LLAMA3_8B,
     LLAMA3_70B,
     MODELS,
     Deployment,
 )
-from evolving_infra.timing.truth import RooflineTruth, TruthInputError
+from evolving_infra.timing.truth import RooflineTruth
 
 
 def test_kv_bytes_per_token_follow_the_attention() -> None:
@@ -64,14 +66,19 @@ def test_gb300_peaks() -> None:
     assert H100.fp8_flops == pytest.approx(2 * H100.flops, rel=1e-3)
 
 
-def test_latent_attention_is_refused_not_mistimed() -> None:
+def test_latent_attention_is_timed_and_served() -> None:
+    """Kimi K2 (MLA) is a model the simulators take (`MODELS`, `--model kimi-k2`): the truth
+    and the prior both time it (tests/test_timing_truth.py, tests/test_timing_model.py)."""
     deployment = Deployment(KIMI_K2, GB300, tp=4)
-    with pytest.raises(TruthInputError, match="issue 25"):
-        RooflineTruth(deployment)
-    with pytest.raises(ValueError, match="issue 25"):
-        IterationModel(prior=deployment)
-    assert KIMI_K2 not in MODELS.values()
+    truth = RooflineTruth(deployment, noise=0.0)
+    prior = IterationModel(prior=deployment)
+    assert prior.source("decode") == prior.source("prefill") == "prior"
+    for t in (truth.expected_decode_time(8, 8 * 4096), prior.predict_decode(8, 8 * 4096)):
+        assert 0.001 < t < 0.1
+    assert MODELS["kimi-k2"] is KIMI_K2
     assert MODELS["glm-4.5"] is GLM_4_5
+    # Each GPU keeps the whole latent (Deployment.kv_bytes_per_token: 4 copies on 4 GPUs).
+    assert deployment.kv_bytes_per_token == 4 * KIMI_K2.kv_bytes_per_token
 
 
 # -- the ground truth of a mixture of experts ---------------------------------------------------
@@ -128,3 +135,17 @@ def test_the_prior_of_a_mixture_counts_the_active_weights() -> None:
         assert 0.5 < ratio < 2.0
     ratio = prior.predict_prefill_one(8192, 0) / truth.expected_prefill_time([(8192, 0)])
     assert 0.5 < ratio < 2.0
+
+
+def test_node_kv_footprint_by_attention_type() -> None:
+    """MLA's latent sits on every GPU of the node; GQA heads are sharded, and replicated only
+    when the node has more GPUs than KV heads."""
+    kimi = Deployment(KIMI_K2, GB300, tp=4)
+    assert kimi.kv_bytes_per_token == 4 * KIMI_K2.kv_bytes_per_token
+    assert Deployment(GLM_4_5, GB300, tp=4).kv_bytes_per_token == GLM_4_5.kv_bytes_per_token
+    tiny_heads = dataclasses.replace(LLAMA3_8B, kv_heads=2)
+    assert Deployment(tiny_heads, H100, tp=8).kv_bytes_per_token == pytest.approx(
+        4 * tiny_heads.kv_bytes_per_token
+    )
+    config = SimConfig(gpus=36, deployment=kimi)
+    assert config.l1_blocks(64) == int(kimi.kv_bytes() // (64 * kimi.kv_bytes_per_token))

@@ -162,8 +162,9 @@ def prefill_rate(model: IterationModel, uncached: float, cached: float, chunk: i
 
 def kv_capacity_tokens(deployment: Deployment) -> int:
     """KV tokens one node holds (docs/simulator.md, "Nodes and KV"): tp x HBM x 0.9 minus the
-    weights and an activation reserve, over the KV bytes per token."""
-    return max(int(deployment.kv_bytes() // deployment.model.kv_bytes_per_token), 1)
+    weights and an activation reserve, over the node's KV bytes per token (MLA keeps its
+    latent on every GPU)."""
+    return max(int(deployment.kv_bytes() // deployment.kv_bytes_per_token), 1)
 
 
 def decode_rate(model: IterationModel, mean: MeanRequest, kv_tokens: int, max_batch: int) -> float:

@@ -36,6 +36,7 @@ class SimRequest:
         "branch",
         "cached_blocks",
         "context",
+        "credit",
         "decode_node",
         "done",
         "fetch_ready",
@@ -47,6 +48,7 @@ class SimRequest:
         "issued",
         "key",
         "left",
+        "made",
         "out_hashes",
         "output_tokens",
         "pin_d",
@@ -93,6 +95,8 @@ class SimRequest:
         self.prefill_done = self.first_token = self.done = -1.0
         self.context = 0  # tokens of KV while decoding
         self.left = 0  # tokens still to decode
+        self.credit = 0.0  # a fraction of a token gained (multi-token prediction)
+        self.made = 0  # tokens the last decode span gave it
         self.out_hashes: list[int] = []
 
     def __repr__(self) -> str:

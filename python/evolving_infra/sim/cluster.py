@@ -89,6 +89,7 @@ class Cluster:
             net_bandwidth=config.pd_bandwidth,
             shared_pool=policy.shared_pool,
             prefetch=policy.prefetch,
+            accepted=config.deployment.mtp_accepted,
         )
         self.l1_blocks = config.l1_blocks(bs)
         l2 = config.l2_blocks(bs)
@@ -429,9 +430,11 @@ class Cluster:
         seconds = c.transfer_latency + moved * c.kv_bytes_per_token / c.pd_bandwidth
         self.at(self.now + seconds, self._arrived, req)
 
-    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None:
-        self.metrics.produced(batch * iterations)
-        self.slices.tokens(batch * iterations)
+    def span_done(
+        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
+    ) -> None:
+        self.metrics.produced(tokens)
+        self.slices.tokens(tokens)
 
     def decoded(self, req: SimRequest) -> None:
         self.metrics.done(req)

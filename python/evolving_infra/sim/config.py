@@ -137,7 +137,11 @@ class SimConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.deployment.model.kv_bytes_per_token
+        """Node memory one cached token takes (`Deployment.kv_bytes_per_token`: MLA's latent
+        on every GPU). Capacities divide by it; transfers and host-memory loads move it, each
+        GPU its own copy or shard at the per-GPU bandwidth, so a node's time is it over the
+        node's bandwidth."""
+        return round(self.deployment.kv_bytes_per_token)
 
     @property
     def l1_bytes(self) -> float:

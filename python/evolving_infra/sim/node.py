@@ -19,6 +19,7 @@ prefill node.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,10 @@ class NodeSettings:
     net_bandwidth: float  # reads of another node's L1
     shared_pool: bool  # prefill may read blocks any node holds (else only its own L1/L2)
     prefetch: bool  # fetch while queued
+    # Tokens a decoding request gains per iteration, on average (`Deployment.mtp_accepted`:
+    # 1 without multi-token prediction). Credited as an expected value: a request's tokens
+    # after j iterations are floor(j x accepted), its fraction carried (`SimRequest.credit`).
+    accepted: float = 1.0
 
 
 class Env(Protocol):
@@ -62,7 +67,9 @@ class Env(Protocol):
     def observe_decode(self, batch: int, context: int, seconds: float) -> None: ...
     def fetched(self, l2_blocks: int, remote_blocks: int, seconds: float) -> None: ...
     def prefilled(self, req: SimRequest) -> None: ...
-    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None: ...
+    def span_done(
+        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
+    ) -> None: ...
     def decoded(self, req: SimRequest) -> None: ...
     def decode_reserved(self, req: SimRequest) -> None: ...
     def next_hashes(self, req: SimRequest) -> list[int] | None: ...
@@ -564,8 +571,12 @@ class Node:
             self.in_span = False
             return
         b = len(batch)
-        k = min(self.s.span_cap, min(r.left for r in batch))
-        context = self.batch_context + b * (k - 1) / 2
+        a = self.s.accepted
+        if a == 1.0:
+            k = min(self.s.span_cap, min(r.left for r in batch))
+        else:  # iterations until the first request is done
+            k = min(self.s.span_cap, min(max(math.ceil((r.left - r.credit) / a), 1) for r in batch))
+        context = self.batch_context + b * (k - 1) * a / 2
         dt = self.env.truth.decode_time(b, int(context))
         self._span = (now, k, dt, context)
         self.in_span = True
@@ -579,14 +590,23 @@ class Node:
         _, k, dt, context = self._span
         batch = self.batch
         self.env.observe_decode(len(batch), int(context), dt)
-        self.env.span_done(len(batch), k, k * dt, context)
         done: list[SimRequest] = []
+        a, made = self.s.accepted, 0
         for r in batch:
-            r.left -= k
-            r.context += k
+            if a == 1.0:
+                n = k
+            else:
+                gained = r.credit + k * a
+                n = min(math.floor(gained), r.left)
+                r.credit = gained - math.floor(gained)
+            r.made = n
+            made += n
+            r.left -= n
+            r.context += n
             if r.left <= 0:
                 done.append(r)
-        self.batch_context += len(batch) * k
+        self.env.span_done(len(batch), k, k * dt, context, made)
+        self.batch_context += made
         if done:
             self.batch = [r for r in batch if r.left > 0]
             self.batch_context -= sum(r.context for r in done)

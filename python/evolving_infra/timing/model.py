@@ -143,34 +143,81 @@ def _prior_fits(deployment: Deployment) -> dict[Phase, _Fit]:
     Weight read W/(tp·bw) is the floor (intercept); the compute slope 2·params/(tp·peak) applies
     past the knee W/slope; all-reduce bytes per token cost a slope everywhere (they are not hidden
     by the weight read); attention FLOPs per query-key pair and KV bytes per cached token add.
+
+    Latent attention (MLA): every GPU reads the whole latent cache (it is the KV of one head
+    shared by all), so a cached or context token costs `model.kv_bytes_per_token` / bw of one
+    GPU, not / tp; the replicated down-projections (q_a, kv_a) are read by every GPU; decode
+    attention costs the larger of that read and the absorbed form's FLOPs; a prefill pair costs
+    the mean of the non-absorbed (MHA, new x new) and the absorbed (new x cached) forms' FLOPs.
+
+    MTP (`mtp_draft_tokens` d > 0): a decode step verifies B·(1+d) rows (the per-row slopes and
+    the attention FLOPs times 1+d, the weights and the KV read once) and runs d draft steps of one
+    dense layer and the LM head at B rows (their weight reads in the floor, their compute and
+    all-reduces per row, their one-layer KV read per context token); a prefill adds one draft
+    layer over its tokens. The features stay `1, B, C` (decode) and `1, Σt_uc, ΣA, Σt_c`.
     """
     m, g, tp = deployment.model, deployment.gpu, deployment.tp
-    if not m.timed:
-        raise ValueError(
-            f"{m.name}: the prior knows GQA models only; latent attention is not modelled yet"
-            " (issue 25)"
-        )
+    d = deployment.mtp_draft_tokens
+    mla = m.kv_lora_rank > 0
     bw = tp * g.hbm_bandwidth * PRIOR_MEMORY_EFF
+    one_gpu = g.hbm_bandwidth * PRIOR_MEMORY_EFF
+    flops = tp * g.flops * PRIOR_COMPUTE_EFF
     # What one token reads (a mixture of experts reads more as the batch grows: the fit learns
     # it); a dense model reads all of it.
     weight_s = m.active_weight_bytes / bw
+    if mla:  # q_a and kv_a (kv_a alone without q_lora_rank): every GPU reads all of them
+        down = m.layers * m.hidden * (m.q_lora_rank + m.kv_lora_rank + m.rope_head_dim)
+        weight_s += down * m.bytes_per_param * (1 - 1 / tp) / one_gpu
     comm, comm0 = 0.0, 0.0
     if tp > 1:
         moved = 2 * (tp - 1) / tp * m.hidden * m.bytes_per_param  # ring all-reduce, per token
         comm = 2 * m.layers * moved / (g.link_bandwidth * PRIOR_LINK_EFF)
         comm0 = 2 * m.layers * PRIOR_ALLREDUCE_S
-    kv_s = m.kv_bytes_per_token / bw
-    pre_slope = 2 * m.active_params / (tp * g.flops * PRIOR_COMPUTE_EFF)
+    if mla:  # one GPU reads all of the latent
+        kv_s = m.kv_bytes_per_token / one_gpu
+        # QK^T and PV per pair and layer: the MHA form (new x new pairs) and the absorbed one
+        # (new x cached, and decode); a prefill pair costs their mean, ΣA counting both kinds.
+        mha = 2 * m.layers * m.heads * ((m.head_dim + m.rope_head_dim) + m.head_dim)
+        absorbed = 2 * m.layers * m.heads * (m.kv_lora_rank + m.rope_head_dim + m.kv_lora_rank)
+        attn = (mha + absorbed) / 2 / (tp * g.flops * PRIOR_ATTENTION_EFF)
+        dec_ctx = max(kv_s, (1 + d) * absorbed / (tp * g.flops * PRIOR_ATTENTION_EFF))
+    else:
+        kv_s = m.kv_bytes_per_token / bw
+        attn = m.attention_flops_per_pair / (tp * g.flops * PRIOR_ATTENTION_EFF)
+        # Decode attention reads the KV once per step: memory-bound (GQA: ~1 FLOP per byte per
+        # query), so the byte cost is the cost, unless 1+d verified queries outweigh it.
+        dec_ctx = max(kv_s, (1 + d) * attn) if d else kv_s
+    pre_slope = 2 * m.active_params / flops
     # Decode runs the LM head for every token; prefill only for the last one (ignored).
-    dec_slope = 2 * (m.active_params + m.head_params) / (tp * g.flops * PRIOR_COMPUTE_EFF)
-    attn = m.attention_flops_per_pair / (tp * g.flops * PRIOR_ATTENTION_EFF)
+    dec_slope = 2 * (m.active_params + m.head_params) / flops
     floor = PRIOR_OVERHEAD_S + weight_s + comm0
     pre = np.array([floor, comm, pre_slope, attn, kv_s])
-    # Decode attention reads the KV once per step: memory-bound, so the byte cost is the cost.
-    dec = np.array([floor, comm, dec_slope, kv_s])
+    dec = np.array([floor, comm, dec_slope, dec_ctx])
+    pre_knee, dec_knee = weight_s / pre_slope, weight_s / dec_slope
+    if d:
+        # The draft: one dense layer (its attention and a dense MLP of `intermediate`), its
+        # one-layer KV, the LM head; the weights read once a pass, sharded like the target's.
+        layer = m.attention_params_per_layer + 3 * m.hidden * m.intermediate
+        draft_w = layer * m.bytes_per_param / bw
+        head_w = m.head_params * m.bytes_per_param / bw
+        draft_comm0, draft_comm = comm0 / m.layers, comm / m.layers
+        draft_kv = kv_s / m.layers
+        pre = pre + np.array(
+            [draft_w + draft_comm0, draft_comm, 2 * layer / flops, attn / m.layers, draft_kv]
+        )
+        dec = np.array(
+            [
+                floor + d * (draft_w + head_w + draft_comm0),
+                (1 + d) * comm + d * draft_comm,
+                (1 + d) * dec_slope + d * 2 * (layer + m.head_params) / flops,
+                dec_ctx + d * draft_kv,
+            ]
+        )
+        pre_knee = float((weight_s + draft_w) / pre[_HINGE])
+        dec_knee = float((weight_s + d * (draft_w + head_w)) / dec[_HINGE])
     return {
-        "prefill": _Fit(pre, weight_s / pre_slope, "prior"),
-        "decode": _Fit(dec, weight_s / dec_slope, "prior"),
+        "prefill": _Fit(pre, pre_knee, "prior"),
+        "decode": _Fit(dec, dec_knee, "prior"),
     }
 
 

@@ -5,10 +5,11 @@ datasheet peaks (dense tensor-core FLOP/s without sparsity, HBM bandwidth, NVLin
 per GPU and direction). Peaks are not what kernels reach: the ground truth (`truth.py`) applies
 efficiencies, the predictor learns what the hardware really does.
 
-The paper's deployment (issue 25: GB300, mixture-of-experts models, NVFP4 weights, FP8 KV) is
-described here (`GB300`, `KIMI_K2`, `GLM_4_5`; figures and sources in
-docs/research/deployment-figures.md). The ground truth and the prior time GQA models, dense or
-MoE (`GLM_4_5` on `GB300`); latent attention (`KIMI_K2`) they refuse (`ModelConfig.timed`).
+The paper's deployment (issue 25: GB300, mixture-of-experts models, NVFP4 weights, FP8 KV, MTP)
+is described here (`GB300`, `KIMI_K2`, `GLM_4_5`, `Deployment.mtp_draft_tokens`; figures and
+sources in docs/research/deployment-figures.md). The ground truth and the prior time every model
+here: GQA or multi-head latent attention (`KIMI_K2`; `timing/truth_mla.py`), dense or MoE, with
+or without MTP speculative decoding.
 """
 
 from __future__ import annotations
@@ -59,12 +60,6 @@ class ModelConfig:
             raise ValueError(f"{self.name}: need 0 < experts_per_token <= experts")
         if self.experts and not 0 <= self.dense_layers <= self.layers:
             raise ValueError(f"{self.name}: need 0 <= dense_layers <= layers")
-
-    @property
-    def timed(self) -> bool:
-        """What the ground truth and the prior time today: GQA attention, dense or a mixture
-        of experts (latent attention is not modelled yet)."""
-        return self.kv_lora_rank == 0
 
     @property
     def moe_layers(self) -> int:
@@ -195,6 +190,35 @@ class Deployment:
     model: ModelConfig
     gpu: GpuSpec
     tp: int = 1
+    # Multi-token prediction (speculative decoding with the model's MTP layer, SGLang's
+    # `--speculative-algorithm EAGLE` on an MTP checkpoint): `mtp_draft_tokens` drafted per
+    # step and verified in one target pass; `mtp_accepted` the mean tokens a request gains per
+    # decode step, the bonus token included (1 without MTP; at most `mtp_draft_tokens` + 1).
+    mtp_draft_tokens: int = 0
+    mtp_accepted: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tensor parallelism must be >= 1, got {self.tp}")
+        if self.mtp_draft_tokens < 0:
+            raise ValueError(f"mtp_draft_tokens must be >= 0, got {self.mtp_draft_tokens}")
+        if not 1.0 <= self.mtp_accepted <= self.mtp_draft_tokens + 1:
+            raise ValueError(
+                f"mtp_accepted must be in [1, draft tokens + 1 = {self.mtp_draft_tokens + 1}],"
+                f" got {self.mtp_accepted}"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """GPU memory one cached token takes on the whole node: the model's KV times the
+        copies tensor parallelism keeps. GQA shards the KV heads over the `tp` GPUs (a head is
+        replicated when there are fewer heads than GPUs); MLA's latent is shared by every head,
+        so each GPU keeps all of it (SGLang's `MLATokenToKVPool` on every TP rank, without DP
+        attention). What capacities divide by, and what a node's transfers move, each GPU its
+        own shard or copy at its own bandwidth."""
+        m = self.model
+        copies = float(self.tp) if m.kv_lora_rank else max(self.tp, m.kv_heads) / m.kv_heads
+        return m.kv_bytes_per_token * copies
 
     def kv_bytes(
         self,
@@ -246,8 +270,7 @@ GB300 = GpuSpec("gb300", 2.5e15, 8e12, 288e9, 900e9, fp8_flops=5e15, fp4_flops=1
 # README, K2-family configs): 61 layers (1 dense), 7168 hidden, 64 heads, MLA (latent 512,
 # rotary 64, head 128), 384 experts of 2048, 8 per token, 1 shared. GLM-4.5 (zai-org README,
 # NVIDIA Megatron-Bridge): 92 layers (3 dense), 5120 hidden, 96 heads, 8 KV heads of 128, 160
-# experts of 1536, 8 per token, 1 shared. Kimi K2 is not in `MODELS`: the truth does not time
-# latent attention yet.
+# experts of 1536, 8 per token, 1 shared.
 NVFP4 = 0.5625
 KIMI_K2 = ModelConfig(
     name="kimi-k2",
@@ -288,7 +311,7 @@ GLM_4_5 = ModelConfig(
 )
 
 
-MODELS = {m.name: m for m in (LLAMA3_70B, LLAMA3_8B, GLM_4_5)}
+MODELS = {m.name: m for m in (LLAMA3_70B, LLAMA3_8B, GLM_4_5, KIMI_K2)}
 GPUS = {g.name: g for g in (H100, H200, A100, GB300)}
 
 # The paper's main setting: Llama-3-70B at TP4 on H100s.

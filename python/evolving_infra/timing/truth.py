@@ -15,6 +15,22 @@ request (prefill) or over the whole batch's KV (decode); the fused element-wise 
 add + RMSNorm twice, SiLU-and-mul); two all-reduces per layer; a fixed per-iteration and a
 per-request overhead. Not modelled: the logits gather, rotary embedding, KV-cache writes beyond
 the attention read, kernel overlap, and thermal or clock variation (the lognormal noise stands in).
+A mixture of experts runs its router, shared experts and each routed expert the batch touches
+(`_moe_terms`). Multi-head latent attention (DeepSeek-V3, Kimi K2) has its own projections and
+kernels, part of them replicated on every GPU, the latent cache read whole by each
+(`truth_mla.py`, which lists its assumptions).
+
+Multi-token prediction (`Deployment.mtp_draft_tokens` d > 0, speculative decoding with one draft
+layer): a decode iteration of B requests is d draft steps at B rows (each one dense layer of the
+target's attention and hidden size and the LM head, over the whole context: `truth_mla.
+draft_model`) plus one verify pass of the target over B·(1 + d) rows (every GEMM and the LM head
+at B·(1 + d) rows, so a mixture touches more experts; attention with 1 + d queries a sequence,
+the KV read once); breakdown key "draft". `decode_time` is that whole iteration; the simulator
+credits `mtp_accepted` tokens a request per iteration. A prefill adds the draft's one layer over
+its tokens (the draft extend), key "draft". Assumptions: the draft pass runs inside the target's
+iteration (no overhead of its own: SGLang replays its steps from a CUDA graph); the draft extend
+after a verify is one of the d steps; a request's d + 1 verified tokens route to experts
+independently.
 
 Sanity figures, default deployment (Llama-3-70B, TP4, H100 SXM), noise-free:
 decode B=1 with 2k context ≈ 15.1 ms (weight-read bound: 34.7 GB per GPU at 0.85 x 3.35 TB/s is
@@ -23,6 +39,24 @@ decode B=1 with 2k context ≈ 15.1 ms (weight-read bound: 34.7 GB per GPU at 0.
 (GEMMs 70%, all-reduce 15%, element-wise 7%, attention 7%); 32k tokens ≈ 2.6 s (attention 23%).
 The GEMM roofline knee is ≈ 130 tokens per iteration, but fixed costs (overheads, all-reduce
 latency) keep the time per token falling until a few thousand tokens.
+
+The paper's deployment, 4 x GB300 (NVFP4 experts, FP8 KV), noise-free; plain / MTP with d = 3:
+
+| | Kimi K2 (MLA) | GLM-4.5 (GQA) |
+|---|---|---|
+| decode B=1, 2k context | 3.97 / 5.68 ms | 4.56 / 5.82 ms |
+| decode B=64, 8k each | 23.5 / 31.5 ms | 16.3 / 18.9 ms |
+| decode B=256, 8k each | 42.6 / 53.1 ms | 33.2 / 43.2 ms |
+| prefill 8k tokens | 124 / 126 ms | 133 / 135 ms |
+
+Kimi K2 at B=1 reads ~9.9 GB a GPU (attention, shared experts and LM head in BF16, 8 NVFP4
+experts a layer, q_a/kv_a whole on each GPU): 1.5 ms at 0.85 x 8 TB/s, plus 1.0 ms of all-reduce
+latency and 1.5 ms overhead. At B=64 x 8k it touches 284 of 384 experts a layer (experts 15.7
+ms) and reads 18.4 GB of latents a GPU (attention 2.7 ms, the same at any `tp`). With MTP at
+accept length 2.5 a request gains 2.5 tokens an iteration: x1.75 tokens/s at B=1 (the verify's 4
+rows touch 4x the experts; x1.2 at B=8), x1.9 at B=64, x2.0 at B=256 (the experts are read whole
+anyway); less once the GEMMs are compute-bound (x1.45 at B=2048 with 1k contexts). An 8k Kimi
+prefill runs at ~66k tokens/s a node (experts 32%, all-reduce 23%, attention 11%).
 """
 
 from __future__ import annotations
@@ -31,6 +65,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from evolving_infra.timing import truth_mla
 from evolving_infra.timing.samples import PrefillBatch, Sample, TimingError
 from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
 
@@ -74,6 +109,10 @@ class Efficiency:
     decode_overhead: float = 1.5e-3
     # Per request in the batch: sampling, detokenisation hand-off, batch bookkeeping. Assumption.
     per_request: float = 20e-6
+    # Absorbed MLA decode attention (one latent head shared by a rank's query heads): FlashMLA
+    # reaches 580-660 TFLOP/s compute-bound on an H800 of 990 peak (deepseek-ai/FlashMLA README
+    # and its 2025-04-22 deep dive). Assumption: 0.6 of the BF16 peak (truth_mla.py).
+    mla_decode_attention: float = 0.6
 
 
 DENSE_MEMO = 1 << 16  # ~40 MB of memoised terms at most
@@ -90,13 +129,6 @@ class RooflineTruth:
         seed: int = 0,
         efficiency: Efficiency = Efficiency(),
     ) -> None:
-        if deployment.tp < 1:
-            raise TruthInputError(f"tensor parallelism must be >= 1, got {deployment.tp}")
-        if not deployment.model.timed:
-            raise TruthInputError(
-                f"{deployment.model.name}: the ground truth times GQA models only; latent"
-                " attention is not modelled yet (issue 25)"
-            )
         if not math.isfinite(noise) or noise < 0:
             raise TruthInputError(f"noise must be a finite sigma >= 0, got {noise}")
         self.deployment = deployment
@@ -107,6 +139,14 @@ class RooflineTruth:
         # once per decode span and prefill iteration, mostly with values seen before (decode
         # batch sizes; full prefill chunks). Emptied when it reaches `DENSE_MEMO` pairs.
         self._dense_memo: dict[tuple[int, int], dict[str, float]] = {}
+        # The MTP draft (one dense layer and the LM head, `truth_mla.draft_model`), timed as a
+        # model of its own on the same GPUs; None without MTP.
+        self._draft: RooflineTruth | None = None
+        if deployment.mtp_draft_tokens:
+            draft = Deployment(
+                truth_mla.draft_model(deployment.model), deployment.gpu, deployment.tp
+            )
+            self._draft = RooflineTruth(draft, noise=0.0, efficiency=efficiency)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -119,9 +159,14 @@ class RooflineTruth:
                 raise TruthInputError(f"token counts must be >= 0, got ({u}, {c})")
         tokens = sum(u for u, _ in batch)
         out = self._dense(tokens, lm_rows=len(batch))
+        if self.deployment.model.kv_lora_rank:
+            out["kv_b"] = truth_mla.kv_b(self, tokens)
+            out["mla_absorb"] = truth_mla.absorb(self, sum(u for u, c in batch if c > 0))
         out["attention"] = sum(self._prefill_attention(u, c) for u, c in batch)
         e = self.efficiency
         out["overhead"] = e.prefill_overhead + e.per_request * len(batch)
+        if self._draft is not None:  # the draft extend: its one layer over the same tokens
+            out["draft"] = _without_overhead(self._draft.breakdown_prefill(batch))
         return out
 
     def breakdown_decode(self, batch_size: int, context_tokens: int) -> dict[str, float]:
@@ -130,15 +175,19 @@ class RooflineTruth:
             raise TruthInputError(f"a decode batch needs batch_size > 0, got {batch_size}")
         if context_tokens < 0:
             raise TruthInputError(f"context tokens must be >= 0, got {context_tokens}")
-        m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
-        out = self._dense(batch_size, lm_rows=batch_size)
-        # One batched kernel over all the KV: reading it dominates (~1 FLOP per byte).
-        out["attention"] = self._roofline(
-            m.attention_flops_per_pair * context_tokens / tp,
-            e.decode_attention,
-            m.kv_bytes_per_token * context_tokens / tp,
-        )
+        e, d = self.efficiency, self.deployment.mtp_draft_tokens
+        # With MTP the target verifies 1 + d tokens per request in one pass: every GEMM runs
+        # (and the LM head scores) B·(1 + d) rows, the attention 1 + d queries per sequence.
+        rows = batch_size * (1 + d)
+        out = self._dense(rows, lm_rows=rows)
+        if self.deployment.model.kv_lora_rank:
+            out["mla_absorb"] = truth_mla.absorb(self, rows)
+        out["attention"] = self._decode_attention(context_tokens, 1 + d)
         out["overhead"] = e.decode_overhead + e.per_request * batch_size
+        if self._draft is not None:  # d draft steps at B rows, each over the whole context
+            out["draft"] = d * _without_overhead(
+                self._draft.breakdown_decode(batch_size, context_tokens)
+            )
         return out
 
     def expected_prefill_time(self, batch: PrefillBatch) -> float:
@@ -211,13 +260,17 @@ class RooflineTruth:
         h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
         # The layers with a dense MLP: all of them, or a mixture's first `dense_layers`.
         dense = m.dense_layers if m.experts else m.layers
-        # Column-parallel QKV and gate/up, row-parallel O and down (Megatron sharding).
-        out = {
-            "qkv": m.layers * self._gemm(tokens, h, (q + 2 * kv) / tp),
-            "o_proj": m.layers * self._gemm(tokens, q / tp, h),
-            "mlp_gate_up": dense * self._gemm(tokens, h, 2 * m.intermediate / tp),
-            "mlp_down": dense * self._gemm(tokens, m.intermediate / tp, h),
-        }
+        # Column-parallel QKV and gate/up, row-parallel O and down (Megatron sharding); latent
+        # attention's projections are `truth_mla.projections` (part of them replicated).
+        if m.kv_lora_rank:
+            out = truth_mla.projections(self, tokens)
+        else:
+            out = {
+                "qkv": m.layers * self._gemm(tokens, h, (q + 2 * kv) / tp),
+                "o_proj": m.layers * self._gemm(tokens, q / tp, h),
+            }
+        out["mlp_gate_up"] = dense * self._gemm(tokens, h, 2 * m.intermediate / tp)
+        out["mlp_down"] = dense * self._gemm(tokens, m.intermediate / tp, h)
         if m.experts:
             out.update(self._moe_terms(tokens))
         out["lm_head"] = self._gemm(lm_rows, h, m.vocab / tp)
@@ -276,13 +329,32 @@ class RooflineTruth:
             * (self._gemm(rows, h, 2 * ie / tp, wb, peak) + self._gemm(rows, ie / tp, h, wb, peak)),
         }
 
+    def _decode_attention(self, context: int, queries: int) -> float:
+        """One batched kernel over all the KV, `queries` per sequence (1; 1 + d verifying MTP
+        drafts): reading the KV dominates (GQA: ~1 FLOP per byte per query)."""
+        m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
+        if m.kv_lora_rank:
+            return truth_mla.decode_attention(self, context, queries)
+        return self._roofline(
+            m.attention_flops_per_pair * context * queries / tp,
+            e.decode_attention,
+            m.kv_bytes_per_token * context / tp,
+        )
+
     def _prefill_attention(self, uncached: int, cached: int) -> float:
         """Causal attention of `uncached` new queries over `cached` + `uncached` keys."""
         if uncached == 0:
             return 0.0
         m, e, tp = self.deployment.model, self.efficiency, self.deployment.tp
+        if m.kv_lora_rank:
+            return truth_mla.prefill_attention(self, uncached, cached)
         pairs = uncached * cached + uncached * (uncached + 1) / 2
         eff = e.attention_max * uncached / (uncached + e.attention_half)
         # Read the cached KV, write the new KV; the Q and O activations are small beside it.
         nbytes = m.kv_bytes_per_token * (cached + uncached) / tp
         return self._roofline(m.attention_flops_per_pair * pairs / tp, eff, nbytes)
+
+
+def _without_overhead(parts: dict[str, float]) -> float:
+    """A draft pass's seconds: it runs inside the target's iteration, whose overhead covers it."""
+    return sum(v for k, v in parts.items() if k != "overhead")

@@ -169,6 +169,7 @@ class EngineCore:
             # the local directory by the pool's pseudo node).
             shared_pool=self.pool is not None,
             prefetch=s.prefetch,
+            accepted=s.deployment.mtp_accepted,
         )
         self.node = Node(s.node_id, s.phase, self.kv, self.directory, node_settings, self.env)
         self._live: dict[str, LiveRequest] = {}
@@ -509,11 +510,13 @@ class EngineCore:
         else:  # its own KV: no transfer, but not inside the node's callback either
             self.env.at(self.env.now, self._arrive, req)
 
-    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None:
+    def span_done(
+        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
+    ) -> None:
         for r in self.node.batch:
             live = self._by_sim.get(r.id)
             if live is not None:
-                live.emit(iterations)
+                live.emit(r.made)
 
     def decoded(self, req: SimRequest) -> None:
         live = self._by_sim.get(req.id)

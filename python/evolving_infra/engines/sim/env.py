@@ -49,7 +49,9 @@ class EngineHooks(Protocol):
     def decode_reserved(self, req: SimRequest) -> None: ...
     def next_hashes(self, req: SimRequest) -> list[int] | None: ...
     def changed(self, node: Node) -> None: ...
-    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None: ...
+    def span_done(
+        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
+    ) -> None: ...
 
 
 class RealTimeEnv:
@@ -150,8 +152,10 @@ class RealTimeEnv:
     def prefilled(self, req: SimRequest) -> None:
         self.hooks.prefilled(req)
 
-    def span_done(self, batch: int, iterations: int, seconds: float, context: float) -> None:
-        self.hooks.span_done(batch, iterations, seconds, context)
+    def span_done(
+        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
+    ) -> None:
+        self.hooks.span_done(batch, iterations, seconds, context, tokens)
 
     def decoded(self, req: SimRequest) -> None:
         self.hooks.decoded(req)
