@@ -24,6 +24,7 @@ from evolving_infra.planner.common import (
     kv_capacity_tokens,
     merge,
     prefill_rate,
+    prefill_seconds,
 )
 from evolving_infra.planner.dynamo import (
     DECODE_DOWN,
@@ -35,6 +36,7 @@ from evolving_infra.planner.dynamo import (
 from evolving_infra.planner.hits import SplitMemory
 from evolving_infra.timing import DEFAULT_DEPLOYMENT
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
 
 NOW = 600.0
 MODEL = IterationModel(prior=DEFAULT_DEPLOYMENT)
@@ -107,13 +109,25 @@ def test_evolving_moves_toward_decode_when_slices_are_decode_heavy() -> None:
     assert target.decode > 4
 
 
+def hold(m: MeanRequest) -> float:
+    """Seconds the mean request holds decode KV before decoding (early decode allocation:
+    through its prefill and the transfer), as the planner prices it."""
+    prompt = m.uncached + m.cached
+    moved = prompt * DEFAULT_DEPLOYMENT.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * 4)
+    return prefill_seconds(MODEL, m.uncached, m.cached, 8192) + moved
+
+
 def test_evolving_target_balances_the_rates() -> None:
     """The chosen split is the argmax of mean min(x mu_P, (N - x) mu_D), computed here by hand."""
     w = window(AGENTIC, seed=1)
     kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
     means = [m for m in map(MeanRequest.of, w) if m is not None]
+
     mu = [
-        (prefill_rate(MODEL, m.uncached, m.cached, 8192), decode_rate(MODEL, m, kv, 256))
+        (
+            prefill_rate(MODEL, m.uncached, m.cached, 8192),
+            decode_rate(MODEL, m, kv, 256, hold_s=hold(m)),
+        )
         for m in means
     ]
 
@@ -135,7 +149,8 @@ def crossover_output(u: int, c: int) -> float:
     lo, hi = 1.0, 1e5
     for _ in range(100):
         o = (lo + hi) / 2
-        mu_d = decode_rate(MODEL, MeanRequest(u, c, o, u + c + o / 2), kv, 256)
+        mean = MeanRequest(u, c, o, u + c + o / 2)
+        mu_d = decode_rate(MODEL, mean, kv, 256, hold_s=hold(mean))
         lo, hi = (o, hi) if 3 * mu_d > 4 * mu_p else (lo, o)
     return (lo + hi) / 2
 

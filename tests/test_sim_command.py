@@ -175,3 +175,24 @@ def test_pool_one_copy_is_a_flag_for_the_policies_with_a_pool(tmp_path: Path) ->
     assert per_node["policies"]["evolving"]["deduped_blocks"] == 0
     assert one["policies"]["evolving"]["deduped_blocks"] > 0
     assert one["policies"]["dynamo"]["deduped_blocks"] == 0  # no pool: nothing to share
+
+
+def test_the_paper_deployment_and_its_overrides(tmp_path: Path) -> None:
+    """`--deployment paper` is Kimi K2 on 4 x GB300 with MTP; each part can be replaced."""
+    out = tmp_path / "paper"
+    args = parse(
+        *("--deployment", "paper", "--gpus", "8", "--agents", "2", "--duration", "120"),
+        *("--policies", "static:1P1D", "--out", str(out), "--no-progress"),
+    )
+    assert command.run(args) == 0
+    d = json.loads((out / "results.json").read_text())["config"]["deployment"]
+    assert (d["name"], d["model"], d["gpu"], d["tp"]) == ("paper", "kimi-k2", "gb300", 4)
+    assert (d["mtp_draft_tokens"], d["mtp_accepted"]) == (3, 2.5)
+    plain = command.deployment_from(parse("--deployment", "paper", "--mtp-draft-tokens", "0"))
+    assert (plain.mtp_draft_tokens, plain.mtp_accepted, plain.model.name) == (0, 1.0, "kimi-k2")
+    glm = command.deployment_from(parse("--deployment", "paper", "--model", "glm-4.5"))
+    assert (glm.model.name, glm.gpu.name, glm.mtp_accepted) == ("glm-4.5", "gb300", 2.5)
+    with pytest.raises(WorkloadError, match="mtp_accepted"):
+        command.deployment_from(parse("--deployment", "paper", "--mtp-accepted", "5"))
+    with pytest.raises(WorkloadError, match="tensor parallelism"):
+        command.deployment_from(parse("--tp", "0"))

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from evolving_infra.planner.base import SliceStats, Split
+from evolving_infra.planner.base import SliceStats, Split, thin
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.specs import Deployment
 
@@ -113,6 +113,7 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         max_decode_kv_requests=last.max_decode_kv_requests,
         min_decode_kv_demand=last.min_decode_kv_demand,
         decode_kv_capacity_tokens=last.decode_kv_capacity_tokens,
+        arrivals=thin([a for s in sorted(slices, key=lambda s: s.start) for a in s.arrivals]),
     )
 
 
@@ -160,6 +161,33 @@ def prefill_rate(model: IterationModel, uncached: float, cached: float, chunk: i
     return k / model.predict_prefill([(u, c)] * k)
 
 
+def packed_prefill_rate(
+    model: IterationModel, arrivals: Sequence[tuple[float, float]], chunk: int
+) -> float:
+    """Requests/s one prefill node serves of `arrivals` ((uncached, cached) each), batched as
+    SGLang's chunked prefill does: each iteration takes `chunk` tokens in arrival order, a
+    request longer than what is left of the budget continuing in the next iteration over its
+    own first chunks. Iterations are priced by the model's prefill features summed over their
+    requests (it is linear in them), so the requests' own spread of uncached and cached tokens
+    counts, not their mean's."""
+    seconds, budget = 0.0, float(chunk)
+    tokens, pairs, cached = 0.0, 0.0, 0.0
+    for u0, c0 in arrivals:
+        u, c = max(float(u0), 1.0), max(float(c0), 0.0)
+        while u > 0:
+            step = min(u, budget)
+            tokens += step
+            pairs += step * c + step * (step + 1) * 0.5
+            cached += c
+            u, c, budget = u - step, c + step, budget - step
+            if budget <= 0:
+                seconds += model.predict_prefill_totals(tokens, pairs, cached)
+                tokens, pairs, cached, budget = 0.0, 0.0, 0.0, float(chunk)
+    if tokens > 0:
+        seconds += model.predict_prefill_totals(tokens, pairs, cached)
+    return len(arrivals) / seconds if seconds > 0 else 0.0
+
+
 def kv_capacity_tokens(deployment: Deployment) -> int:
     """KV tokens one node holds (docs/simulator.md, "Nodes and KV"): tp x HBM x 0.9 minus the
     weights and an activation reserve, over the node's KV bytes per token (MLA keeps its
@@ -167,9 +195,35 @@ def kv_capacity_tokens(deployment: Deployment) -> int:
     return max(int(deployment.kv_bytes() // deployment.kv_bytes_per_token), 1)
 
 
-def decode_rate(model: IterationModel, mean: MeanRequest, kv_tokens: int, max_batch: int) -> float:
+def decode_rate(
+    model: IterationModel,
+    mean: MeanRequest,
+    kv_tokens: int,
+    max_batch: int,
+    *,
+    hold_s: float = 0.0,
+    tokens_per_step: float = 1.0,
+) -> float:
     """Requests/s one decode node serves: the batch that fits its KV at the mean context (capped
-    at `max_batch`), at the model's step time, divided by the output tokens per request."""
-    batch = max(min(max_batch, int(kv_tokens // max(mean.context, 1.0))), 1)
-    step = model.predict_decode(batch, round(batch * mean.context))
-    return batch / step / mean.output
+    at `max_batch`), at the model's step time, divided by the output tokens per request.
+
+    `hold_s` > 0: each request also holds its KV for `hold_s` seconds before it decodes (SGLang's
+    early decode allocation reserves the prompt and the output at dispatch, while the prefill
+    queues, runs and transfers). Then a node's KV is shared by the requests decoding and those
+    waiting, in proportion to the time each spends: resident requests R = KV / (prompt +
+    output), of which the batch B = R x T / (T + hold), T = output x step(B) / tokens per step
+    (a fixed point, a few iterations), and the node serves B / T requests/s."""
+    if hold_s <= 0.0:
+        full = max(min(max_batch, int(kv_tokens // max(mean.context, 1.0))), 1)
+        step = model.predict_decode(full, round(full * mean.context))
+        return full / step / mean.output * tokens_per_step
+    reserve = max(mean.uncached + mean.cached + mean.output, 1.0)
+    resident = max(kv_tokens / reserve, 1.0)
+    batch = max(min(float(max_batch), resident), 1.0)
+    decode_s = 0.0
+    for _ in range(6):
+        b = max(round(batch), 1)
+        decode_s = mean.output * model.predict_decode(b, round(b * mean.context)) / tokens_per_step
+        share = resident * decode_s / (decode_s + hold_s)
+        batch = 0.5 * batch + 0.5 * max(min(float(max_batch), share), 1.0)  # damped
+    return batch / decode_s

@@ -24,7 +24,19 @@ Rule, every `interval` (60 s) over a `window_s` (600 s) window cut into `slices`
    mean gain >= `min_gain`. One bursty slice among calm ones gives one large gain among
    small or negative ones: a large variance, so no switch (a burst of sub-agents must not flip
    nodes, DESIGN §3);
-4. move at most `max_step` nodes. Default: the whole gap. The switch keeps the KV in place
+4. the gain must also persist: the gains' least-squares line over the slices, read one slice
+   past the latest (`Evaluation.gain_now`: at the next decision, the earliest the planner could
+   undo the move), must be >= `min_gain` too. A burst that is fading (the
+   start-up, when every agent's first cold prompt arrives at once and the cache then warms:
+   uncached tokens per request fall from ~18k to ~4k over the first five minutes of Claude
+   Code) gives gains that fall slice after slice: their mean is large and all of them are
+   positive, so the t-test passes, but the line says the gain is gone by now. A mix that
+   shifts gives gains that rise: the line only confirms them;
+5. a move back against the last one (within `window_s` of it) is decided on the slices since
+   that move alone: the slices before it are the evidence that made the move, and undoing it
+   needs evidence the move was wrong, not the same slices read again (an oscillation is a cost
+   the test should have seen coming);
+6. move at most `max_step` nodes. Default: the whole gap. The switch keeps the KV in place
    (6.2 s per node, docs/simulator.md) and the test already guards against noise, so stepping
    one node per minute would only hold a known-better split back; set `max_step=1` to creep.
 
@@ -48,11 +60,14 @@ from evolving_infra.planner.common import (
     PlannerGate,
     decode_rate,
     kv_capacity_tokens,
+    packed_prefill_rate,
     prefill_rate,
+    prefill_seconds,
     rebin,
 )
 from evolving_infra.planner.hits import SplitMemory
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +80,7 @@ class Evaluation:
     mean_theta: float  # the target's mean Θ, requests/s
     mean_gain: float  # mean relative per-slice gain of the target over the current split
     p_value: float  # one-sided paired t-test of the gains
+    gain_now: float  # the gains' least-squares line one slice past the latest (rule 4)
 
 
 class EvolvingPlanner(PlannerGate):
@@ -88,6 +104,7 @@ class EvolvingPlanner(PlannerGate):
         kv_capacity_tokens: int | None = None,
         max_decode_batch: int = MAX_DECODE_BATCH,
         memory: SplitMemory | None = None,
+        early_allocation: bool = True,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
@@ -106,7 +123,12 @@ class EvolvingPlanner(PlannerGate):
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_decode_batch = max_decode_batch
         self.memory = SplitMemory() if memory is None else memory
+        # The decode engines reserve a request's KV at dispatch (SGLang's default, "early"),
+        # not once its prefill is done: decode KV is then held through the prefill.
+        self.early_allocation = early_allocation
         self.last: Evaluation | None = None
+        # The last move asked for: when, and +1 towards prefill or -1 towards decode (rule 5).
+        self.moved: tuple[float, int] | None = None
 
     def evaluate(
         self, now: float, split: Split, window: Sequence[SliceStats], model: IterationModel
@@ -115,18 +137,20 @@ class EvolvingPlanner(PlannerGate):
         n = self.nodes_total
         if split.prefill + split.decode != n or split.prefill < 1 or split.decode < 1:
             raise ValueError(f"split {split} is not a split of {n} nodes with both phases")
-        means = [MeanRequest.of(s) for s in rebin(window, now, self.window_s, self.slices)]
-        mix = [m for m in means if m is not None]
-        if len(mix) < self.min_slices:
+        binned = rebin(window, now, self.window_s, self.slices)
+        kept = [(s, m) for s in binned if (m := MeanRequest.of(s)) is not None]
+        if len(kept) < self.min_slices:
             return None
+        mix = [m for _, m in kept]
+        times = np.array([(s.start + s.end) / 2 for s, _ in kept])
         kv = self._kv_tokens(model)
-        mu_d = np.array([decode_rate(model, m, kv, self.max_decode_batch) for m in mix])
+        mu_d = np.array([self._decode_rate(model, m, kv) for m in mix])
         xs = np.arange(1, n)  # prefill nodes of each candidate
         # μ_P per slice at each candidate's loss of cached blocks (`hits`); one row per distinct
         # loss: untried candidates share one.
         losses = self.memory.losses([int(x) for x in xs])
         factors = [1.0 if f is None else f for f in losses]
-        rows = {f: self._prefill_rates(model, mix, f) for f in set(factors)}
+        rows = {f: self._prefill_rates(model, kept, f) for f in set(factors)}
         mu_p = np.stack([rows[f] for f in factors], axis=1)  # (slices, candidates)
         theta = np.minimum(mu_p * xs, np.outer(mu_d, n - xs))
         mean_theta = theta.mean(axis=0)
@@ -143,17 +167,40 @@ class EvolvingPlanner(PlannerGate):
             mean_theta=float(mean_theta[best]),
             mean_gain=float(gains.mean()),
             p_value=_one_sided_p(gains),
+            gain_now=_line_at(times, gains, float(times.max()) + self.window_s / self.slices),
         )
 
+    def _decode_rate(self, model: IterationModel, m: MeanRequest, kv: int) -> float:
+        """μ_D of a slice's mean request; with early decode allocation its KV is held while the
+        prefill runs and its KV moves over (`common.decode_rate`'s `hold_s`)."""
+        hold = 0.0
+        if self.early_allocation:
+            hold = prefill_seconds(model, m.uncached, m.cached, self.chunk_tokens)
+            if model.deployment is not None:
+                d = model.deployment
+                hold += (
+                    (m.uncached + m.cached) * d.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * d.tp)
+                )
+        tokens = model.deployment.mtp_accepted if model.deployment is not None else 1.0
+        return decode_rate(model, m, kv, self.max_decode_batch, hold_s=hold, tokens_per_step=tokens)
+
     def _prefill_rates(
-        self, model: IterationModel, mix: Sequence[MeanRequest], loss: float
+        self,
+        model: IterationModel,
+        kept: Sequence[tuple[SliceStats, MeanRequest]],
+        loss: float,
     ) -> npt.NDArray[np.float64]:
-        """μ_P of each slice's mean request with `loss` times its estimated uncached tokens."""
+        """μ_P of each slice with `loss` times its estimated uncached tokens: its sampled
+        arrivals batched as a prefill node would (`common.packed_prefill_rate`), or its mean
+        request when the driver sampled none."""
         out = []
-        for m in mix:
-            prompt = m.uncached + m.cached
-            u = min(max(m.uncached * loss, 1.0), prompt)
-            out.append(prefill_rate(model, u, prompt - u, self.chunk_tokens))
+        for s, m in kept:
+            if s.arrivals:
+                lost = [_lose(u, c, loss) for u, c in s.arrivals]
+                out.append(packed_prefill_rate(model, lost, self.chunk_tokens))
+                continue
+            u, c = _lose(m.uncached, m.cached, loss)
+            out.append(prefill_rate(model, u, c, self.chunk_tokens))
         return np.array(out)
 
     def decide(
@@ -165,12 +212,33 @@ class EvolvingPlanner(PlannerGate):
         ev = self.last = self.evaluate(now, split, window, model)
         if ev is None or ev.target == split:
             return None
-        if not (ev.p_value < self.alpha and ev.mean_gain >= self.min_gain):
+        direction = 1 if ev.target.prefill > split.prefill else -1
+        if self.moved is not None:
+            at, last = self.moved
+            if direction != last and at > now - self.window_s:  # rule 5: since the move only
+                since = [s for s in window if s.start >= at]
+                ev = self.last = self.evaluate(now, split, since, model)
+                if (
+                    ev is None
+                    or ev.target == split
+                    or (ev.target.prefill > split.prefill) != (direction > 0)
+                ):
+                    return None
+        if not self._significant(ev):
             return None
         move = ev.target.prefill - split.prefill
         if self.max_step is not None:
             move = max(-self.max_step, min(self.max_step, move))
+        self.moved = (now, direction)
         return self._propose(split, Split(split.prefill + move, split.decode - move))
+
+    def _significant(self, ev: Evaluation) -> bool:
+        """Rules 3 and 4: a significant mean gain, large enough, that persists."""
+        return (
+            ev.p_value < self.alpha
+            and ev.mean_gain >= self.min_gain
+            and ev.gain_now >= self.min_gain
+        )
 
     def _kv_tokens(self, model: IterationModel) -> int:
         if self.kv_capacity_tokens is not None:
@@ -178,6 +246,25 @@ class EvolvingPlanner(PlannerGate):
         if model.deployment is None:
             raise ValueError("kv_capacity_tokens is needed when the model has no deployment")
         return kv_capacity_tokens(model.deployment)
+
+
+def _lose(uncached: float, cached: float, loss: float) -> tuple[float, float]:
+    """(uncached, cached) with `loss` times the uncached tokens, within the prompt."""
+    prompt = uncached + cached
+    u = min(max(uncached * loss, 1.0), prompt)
+    return u, prompt - u
+
+
+def _line_at(times: npt.NDArray[np.float64], gains: npt.NDArray[np.float64], t: float) -> float:
+    """The least-squares line through (time, gain), read at `t` (the mean when every slice has
+    the same time)."""
+    dt = times - times.mean()
+    sxx = float(dt @ dt)
+    mean = float(gains.mean())
+    if sxx <= 0.0:
+        return mean
+    slope = float(dt @ (gains - mean)) / sxx
+    return mean + slope * (t - float(times.mean()))
 
 
 def _one_sided_p(gains: npt.NDArray[np.float64]) -> float:

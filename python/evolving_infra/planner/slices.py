@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from evolving_infra.planner.base import SliceStats
+from evolving_infra.planner.base import SliceStats, thin
 from evolving_infra.routing.base import Phase
 
 
@@ -50,6 +50,7 @@ class Slices:
     def _reset(self, start: float) -> None:
         self.start = start
         self.requests = self.prompt = self.uncached = self.cached = self.output = 0
+        self.arrived: list[tuple[int, int]] = []  # (uncached, cached) of every arrival
         self.prefills = self.prefilled_prompt = self.prefilled_uncached = 0
         self.samples = 0
         self.batch_sum = 0.0  # Σ over samples of the mean batch per decode node
@@ -74,6 +75,7 @@ class Slices:
         self.prompt += prompt
         self.uncached += uncached
         self.cached += cached
+        self.arrived.append((uncached, cached))
 
     def prefilled(self, prompt: int, uncached: int) -> None:
         """A prefill ran with `uncached` of its `prompt` tokens computed (the rest cached)."""
@@ -180,6 +182,7 @@ class Slices:
             max_decode_kv_requests=self.max_decode_kv_requests,
             min_decode_kv_demand=self.min_kv_demand,
             decode_kv_capacity_tokens=self.decode_kv_capacity,
+            arrivals=thin(self.arrived),
         )
         self.window.append(s)
         while self.window and self.window[0].end <= now - self.window_s:

@@ -14,10 +14,11 @@ from evolving_infra.argtypes import (
     positive_seconds,
 )
 from evolving_infra.sim.config import DECODE_ALLOCATIONS, SWITCH_RESTART_S, SimConfig
+from evolving_infra.sim.deployments import add_deployment_arguments, deployment_from
 from evolving_infra.sim.plots import timelines
 from evolving_infra.sim.policies import SWEEPS, policy
 from evolving_infra.sim.run import BEST_STATIC, compare, main_table
-from evolving_infra.timing.specs import GPUS, MODELS, Deployment
+from evolving_infra.timing.specs import deployment_name
 from evolving_infra.workloads import generators
 from evolving_infra.workloads.errors import WorkloadError
 from evolving_infra.workloads.model import Trace
@@ -62,20 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="trace files or folders to draw the agents from instead of a generator",
     )
     parser.add_argument("--gpus", type=positive_int, default=36, help="GPUs (default: 36)")
-    parser.add_argument("--tp", type=positive_int, default=4, help="GPUs per node (default: 4)")
-    parser.add_argument(
-        "--model",
-        choices=sorted(MODELS),
-        default="llama-3-70b",
-        help="the model: dense Llama 3 (BF16), or glm-4.5, a mixture of experts (160 experts, 8 "
-        "per token) with NVFP4 experts and an FP8 KV cache (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--gpu",
-        choices=sorted(GPUS),
-        default="h100-sxm",
-        help="the GPU (gb300: Blackwell Ultra, with NVFP4 tensor cores) (default: %(default)s)",
-    )
+    add_deployment_arguments(parser)
     parser.add_argument(
         "--agents", type=positive_int, default=50, help="concurrent agent slots (default: 50)"
     )
@@ -140,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not names:
         raise WorkloadError("--policies names no policy")
-    deployment = Deployment(MODELS[args.model], GPUS[args.gpu], tp=args.tp)
+    deployment = deployment_from(args)
     try:
         config = SimConfig(
             gpus=args.gpus,
@@ -170,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     c = results["config"]
     header = (
         f"# {trace.name}: {len(trace.agents)} agents, {c['nodes']} nodes of "
-        f"{deployment.tp} x {deployment.gpu.name} ({deployment.model.name}), "
+        f"{deployment.tp} x {deployment.gpu.name} ({deployment_name(deployment)}), "
         f"{config.duration:,.0f} s, seed {config.seed}\n\n"
     )
     table = main_table(results)

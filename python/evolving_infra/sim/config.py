@@ -19,6 +19,7 @@ from evolving_infra.timing.specs import (
     DEFAULT_DEPLOYMENT,
     MEM_FRACTION,
     Deployment,
+    deployment_name,
 )
 from evolving_infra.timing.ttft import DEFAULT_L2_BANDWIDTH, DEFAULT_POOL_BANDWIDTH
 
@@ -166,7 +167,14 @@ class SimConfig:
         """JSON-ready parameters, with the derived capacities for `block_size`."""
         out = asdict(self)
         d = self.deployment
-        out["deployment"] = {"model": d.model.name, "gpu": d.gpu.name, "tp": d.tp}
+        out["deployment"] = {
+            "name": deployment_name(d),
+            "model": d.model.name,
+            "gpu": d.gpu.name,
+            "tp": d.tp,
+            "mtp_draft_tokens": d.mtp_draft_tokens,
+            "mtp_accepted": d.mtp_accepted,
+        }
         out["initial_split"] = str(self.split())
         out["block_size"] = block_size
         out["nodes"] = self.nodes

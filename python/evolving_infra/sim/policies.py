@@ -126,7 +126,11 @@ def _least_loaded_router(ctx: PolicyContext) -> Router:
 def _evolving_planner(ctx: PolicyContext) -> Planner:
     from evolving_infra.planner.evolving import EvolvingPlanner
 
-    return EvolvingPlanner(ctx.nodes, chunk_tokens=ctx.config.chunk_tokens)
+    return EvolvingPlanner(
+        ctx.nodes,
+        chunk_tokens=ctx.config.chunk_tokens,
+        early_allocation=ctx.config.decode_allocation == "early",
+    )
 
 
 def _dynamo_planner(ctx: PolicyContext) -> Planner:

@@ -495,6 +495,11 @@ class IterationModel:
             cached += c
         return self._phases["prefill"].fit.one(uncached, pairs, cached)
 
+    def predict_prefill_totals(self, uncached: float, pairs: float, cached: float) -> float:
+        """`predict_prefill` from a batch's summed features: its uncached tokens, query-key
+        pairs (Σ u·c + u(u+1)/2) and cached tokens."""
+        return self._phases["prefill"].fit.one(uncached, pairs, cached)
+
     def predict_prefill_one(self, uncached: float, cached: float) -> float:
         """`predict_prefill([(uncached, cached)])` without building a batch (the router's path)."""
         pairs = uncached * cached + uncached * (uncached + 1) * 0.5

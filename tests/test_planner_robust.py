@@ -1,0 +1,152 @@
+"""The evolving planner on what it was not tuned on (issue 25): a start-up burst that fades, a
+move it would undo on the same evidence, the spread of the requests a prefill node batches, and
+decode KV held through the prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from evolving_infra.planner import EvolvingPlanner, SliceStats, Split
+from evolving_infra.planner.base import ARRIVAL_SAMPLE, thin
+from evolving_infra.planner.common import (
+    MeanRequest,
+    decode_rate,
+    kv_capacity_tokens,
+    merge,
+    packed_prefill_rate,
+    prefill_rate,
+)
+from evolving_infra.planner.slices import Slices
+from evolving_infra.timing import DEFAULT_DEPLOYMENT
+from evolving_infra.timing.model import IterationModel
+
+MODEL = IterationModel(prior=DEFAULT_DEPLOYMENT)
+
+
+def sl(k: int, uncached: int, cached: int, output: float, n: int = 200) -> SliceStats:
+    """Minute k, in which `n` requests of this shape arrived."""
+    return SliceStats(
+        start=k * 60.0,
+        end=(k + 1) * 60.0,
+        requests=n,
+        prompt_tokens=n * (uncached + cached),
+        uncached_tokens=n * uncached,
+        cached_tokens=n * cached,
+        output_tokens=round(n * output),
+        mean_decode_batch=16.0,
+        mean_context_tokens=uncached + cached + output / 2,
+        prefill_queue_s=0.0,
+        kv_utilization=0.5,
+        mean_input_tokens=uncached + cached,
+    )
+
+
+# -- rule 4: a gain that fades is no reason to move ---------------------------------------------
+
+
+def fading(k: int) -> SliceStats:
+    """The start-up of a cold cluster: prompts are fresh at first, then their prefixes hit."""
+    fresh = max(16_000 - 5_000 * k, 1_000)
+    return sl(k, fresh, 16_000 - fresh, 300)
+
+
+def test_a_fading_burst_does_not_move_nodes() -> None:
+    """Three slices all better at more prefill nodes, by less each minute: the paired t-test
+    passes, but the gains' line says the gain is gone by the next decision."""
+    w = [fading(k) for k in range(3)]
+    p = EvolvingPlanner(8)
+    assert p.decide(180.0, Split(4, 4), w, MODEL) is None
+    ev = p.last
+    assert ev is not None
+    assert ev.target.prefill > 4
+    assert ev.p_value < p.alpha
+    assert ev.mean_gain >= p.min_gain
+    assert ev.gain_now < p.min_gain
+    # The same slices in the other order (a burst that builds up) are a reason to move.
+    rising = [
+        dataclasses.replace(s, start=(2 - k) * 60.0, end=(3 - k) * 60.0) for k, s in enumerate(w)
+    ]
+    assert EvolvingPlanner(8).decide(180.0, Split(4, 4), rising, MODEL) is not None
+
+
+def test_a_steady_gain_moves_at_the_first_decision() -> None:
+    w = [sl(k, 16_000, 0, 30) for k in range(3)]
+    p = EvolvingPlanner(8)
+    target = p.decide(180.0, Split(4, 4), w, MODEL)
+    assert target is not None
+    assert target.prefill > 4
+    assert p.last is not None
+    assert p.last.gain_now == pytest.approx(p.last.mean_gain)
+
+
+# -- rule 5: a move is undone on new evidence only ---------------------------------------------
+
+
+def test_a_move_is_not_undone_on_the_slices_that_made_it() -> None:
+    """After a move toward decode, a window that still reads prefill-heavy only in the slices
+    from before the move does not move the node back."""
+    p = EvolvingPlanner(8)
+    p.moved = (600.0, -1)  # it moved toward decode at 600 s
+    before = [sl(k, 16_000, 0, 30) for k in range(8)]  # minutes 0-7: prefill-heavy
+    after = [sl(k, 16_000, 0, 30) for k in range(10, 12)]  # two minutes since the move
+    assert p.decide(720.0, Split(3, 5), [*before, *after], MODEL) is None  # 2 < min_slices
+    more = [*before, *after, sl(12, 16_000, 0, 30)]
+    assert p.decide(780.0, Split(3, 5), more, MODEL) is not None  # now 3 slices say so
+    # In the direction of the last move, the whole window counts.
+    q = EvolvingPlanner(8)
+    q.moved = (600.0, +1)
+    assert q.decide(720.0, Split(3, 5), [*before, *after], MODEL) is not None
+
+
+# -- μ_P from the requests a prefill node batches -----------------------------------------------
+
+
+def test_packed_prefill_of_equal_requests_is_the_mean_requests_rate() -> None:
+    equal = [(1_024, 4_096)] * 8
+    assert packed_prefill_rate(MODEL, equal, 8192) == pytest.approx(
+        prefill_rate(MODEL, 1_024, 4_096, 8192)
+    )
+
+
+def test_packed_prefill_sees_the_spread_the_mean_hides() -> None:
+    """Cold first prompts (many uncached tokens, no cache) beside warm turns (a few uncached
+    tokens over a long prefix): the mean request's attention is mean uncached x mean cached,
+    far more than the requests' own; the node serves them faster than the mean says."""
+    mix = [(16_000, 0)] * 2 + [(1_000, 60_000)] * 8
+    u = sum(a for a, _ in mix) / len(mix)
+    c = sum(b for _, b in mix) / len(mix)
+    assert packed_prefill_rate(MODEL, mix, 8192) > 1.2 * prefill_rate(MODEL, u, c, 8192)
+
+
+def test_slices_sample_their_arrivals_evenly() -> None:
+    s = Slices(600.0)
+    for i in range(1_000):
+        s.arrival(10_000, i, 10_000 - i)
+    closed = s.close(60.0)
+    assert len(closed.arrivals) == ARRIVAL_SAMPLE
+    assert closed.arrivals[0] == (0, 10_000)
+    assert closed.arrivals[1] == (1_000 // 64, 10_000 - 15)
+    few = thin([(1, 2), (3, 4)])
+    assert few == ((1, 2), (3, 4))
+    second = s.close(120.0)
+    assert second.arrivals == ()
+    both = merge([closed, dataclasses.replace(closed, start=60.0, end=120.0)])
+    assert len(both.arrivals) == ARRIVAL_SAMPLE
+
+
+# -- μ_D with decode KV held through the prefill ------------------------------------------------
+
+
+def test_decode_kv_held_through_the_prefill_lowers_the_decode_rate() -> None:
+    kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
+    m = MeanRequest(uncached=4_000, cached=60_000, output=400, context=64_200)
+    rates = [decode_rate(MODEL, m, kv, 256, hold_s=h) for h in (0.5, 2.0, 8.0)]
+    assert rates[0] > rates[1] > rates[2] > 0
+    # KV for ~6 such requests: holding each 8 s beside ~10 s of decoding costs about 40%.
+    assert rates[2] / rates[0] < 0.75
+    # A short context that leaves the batch at its cap: holding costs nothing.
+    short = MeanRequest(uncached=100, cached=300, output=400, context=600)
+    capped = [decode_rate(MODEL, short, kv, 256, hold_s=h) for h in (0.5, 2.0)]
+    assert capped[0] == pytest.approx(capped[1], rel=1e-3)
