@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from evolving_infra.sim import command
+from evolving_infra.sim.deployments import deployment_from
 from evolving_infra.workloads import jsonl
 from evolving_infra.workloads.errors import WorkloadError
 from evolving_infra.workloads.generators import SlotPlan, generate
@@ -188,11 +189,11 @@ def test_the_paper_deployment_and_its_overrides(tmp_path: Path) -> None:
     d = json.loads((out / "results.json").read_text())["config"]["deployment"]
     assert (d["name"], d["model"], d["gpu"], d["tp"]) == ("paper", "kimi-k2", "gb300", 4)
     assert (d["mtp_draft_tokens"], d["mtp_accepted"]) == (3, 2.5)
-    plain = command.deployment_from(parse("--deployment", "paper", "--mtp-draft-tokens", "0"))
+    plain = deployment_from(parse("--deployment", "paper", "--mtp-draft-tokens", "0"))
     assert (plain.mtp_draft_tokens, plain.mtp_accepted, plain.model.name) == (0, 1.0, "kimi-k2")
-    glm = command.deployment_from(parse("--deployment", "paper", "--model", "glm-4.5"))
+    glm = deployment_from(parse("--deployment", "paper", "--model", "glm-4.5"))
     assert (glm.model.name, glm.gpu.name, glm.mtp_accepted) == ("glm-4.5", "gb300", 2.5)
     with pytest.raises(WorkloadError, match="mtp_accepted"):
-        command.deployment_from(parse("--deployment", "paper", "--mtp-accepted", "5"))
+        deployment_from(parse("--deployment", "paper", "--mtp-accepted", "5"))
     with pytest.raises(WorkloadError, match="tensor parallelism"):
-        command.deployment_from(parse("--tp", "0"))
+        deployment_from(parse("--tp", "0"))
