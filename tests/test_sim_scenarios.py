@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from evolving_infra.sim import claims, scenario_command
+from evolving_infra.sim import claims, heldout, scenario_command
+from evolving_infra.sim.claims import holds_on_held_out
 from evolving_infra.sim.policies import ABLATIONS, PolicySpec
+from evolving_infra.sim.scenarios import LEVELS as LEVELS_36
 from evolving_infra.sim.scenarios import SCENARIOS, Size
 from evolving_infra.workloads.errors import WorkloadError
 
@@ -23,7 +25,10 @@ def test_every_scenario_builds(name: str, quick: bool) -> None:
     assert runs
     assert len({r.label for r in runs}) == len(runs)
     for r in runs:
-        assert r.config.seed == 3
+        if name == "heldout":  # its own seeds, offset by --seed
+            assert r.config.seed - 3 in heldout.HELD_OUT_SEEDS
+        else:
+            assert r.config.seed == 3
         assert r.config.duration == r.workload.duration
         assert r.workload.agents >= 1
         assert r.policies
@@ -282,3 +287,43 @@ def test_switch_cost_reads_the_run_config() -> None:
     assert claims.switch_cost(r).outcome == "no"  # 180 s is not the default 700 s
     r["r"]["config"] = {"switch_restart_s": 180.0, "switch_in_place_s": 6.2}
     assert claims.switch_cost(r).outcome == "yes"
+
+
+def test_the_held_out_protocol_keeps_its_halves_apart() -> None:
+    tune, held = heldout.tune_files(), heldout.held_out_files()
+    assert len(tune) == len(held) == 12
+    assert not set(tune) & set(held)
+    assert sorted(tune + held) == heldout.bundled_files()
+    assert not set(heldout.TUNE_SEEDS) & set(heldout.HELD_OUT_SEEDS)
+    for c in heldout.CELLS:  # agent counts between the levels, not at them
+        assert c.seed in heldout.HELD_OUT_SEEDS
+        level = {"claude-code-held": "cc", "osworld": "osworld", "putnam": "putnam"}.get(c.kind)
+        if level is not None:
+            assert c.agents not in LEVELS_36[level].values()
+    pool = heldout.held_out_pool()
+    names = {a.namespace.split("@")[0] for a in pool.agents}
+    assert len(names) >= 12
+
+
+def verdict_of(cells: dict[str, tuple[float, float, int]]) -> str:
+    runs = {
+        label: {
+            "policies": {
+                "evolving": {
+                    "throughput_tokens_per_s": evo,
+                    "switches": switches,
+                    "duration_s": 3600.0,
+                },
+                "best-static": {"throughput_tokens_per_s": best},
+            }
+        }
+        for label, (evo, best, switches) in cells.items()
+    }
+    return holds_on_held_out(runs).outcome
+
+
+def test_holds_on_held_out_needs_every_cell() -> None:
+    assert verdict_of({"a": (99.0, 100.0, 2), "b": (101.0, 100.0, 4)}) == "yes"
+    assert verdict_of({"a": (97.0, 100.0, 2), "b": (101.0, 100.0, 4)}) == "partly"
+    assert verdict_of({"a": (99.0, 100.0, 5), "b": (101.0, 100.0, 4)}) == "partly"
+    assert verdict_of({"a": (90.0, 100.0, 1)}) == "no"

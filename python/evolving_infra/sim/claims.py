@@ -121,6 +121,33 @@ def evolving_vs_best_static(runs: Runs) -> Verdict:
     return Verdict(claim, "; ".join(parts), outcome, why)
 
 
+def holds_on_held_out(runs: Runs) -> Verdict:
+    """Issue 25's bar on the held-out grid: every cell at least `BEST_STATIC_FLOOR` of the best
+    static split, with at most `SWITCHES_PER_HOUR` switches per simulated hour."""
+    from evolving_infra.sim.heldout import BEST_STATIC_FLOOR, SWITCHES_PER_HOUR
+
+    claim = (
+        f"on workloads it was not tuned on, evolving is >= {BEST_STATIC_FLOOR}x the best static"
+        f" split with <= {SWITCHES_PER_HOUR:g} switches per hour"
+    )
+    rows = list(_with(runs, "evolving", "best-static"))
+    if not rows:
+        return _na(claim, "evolving with best-static")
+    failed, parts = [], []
+    for label, p in rows:
+        evo, best = _tps(p["evolving"]), _tps(p["best-static"])
+        r = evo / best if best > 0 else 1.0
+        hours = max(float(p["evolving"].get("duration_s", 3600.0)), 1.0) / 3600.0
+        per_hour = p["evolving"]["switches"] / hours
+        parts.append(f"{label}: {r:.3f}, {per_hour:.1f} switches/h")
+        if r < BEST_STATIC_FLOOR or per_hour > SWITCHES_PER_HOUR:
+            failed.append(label)
+    if not failed:
+        return Verdict(claim, "; ".join(parts), "yes", f"every one of {len(rows)} cells")
+    outcome: Outcome = "partly" if len(failed) < len(rows) else "no"
+    return Verdict(claim, "; ".join(parts), outcome, f"not in {', '.join(failed)}")
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 1.0
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
+from evolving_infra.sim.deployments import add_deployment_arguments, deployment_from
 from evolving_infra.sim.policies import SWEEPS
 from evolving_infra.sim.run import main_table
 from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, check_all, run_scenario
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shared pool keeps one copy of a block (a sensitivity; `sim --pool-one-copy`)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_deployment_arguments(run)
     check = sub.add_parser("check", help="recompute the claims of scenario results on disk")
     check.add_argument(
         "folders", type=Path, nargs="+", metavar="DIR/NAME", help="folders `run` wrote"
@@ -76,7 +78,12 @@ def run(args: argparse.Namespace) -> int:
             path = recheck(folder)
             print(f"rewrote {path.parent}/results.json and report.md", file=sys.stderr)
         return 0
-    size = Size(quick=args.quick, seed=args.seed, pool_one_copy=args.pool_one_copy)
+    size = Size(
+        quick=args.quick,
+        seed=args.seed,
+        pool_one_copy=args.pool_one_copy,
+        deployment=deployment_from(args),
+    )
     check_output_folder(args.out, "--out")  # before the runs, not after them
     path = run_to(args.name, size, args.out, progress=not args.no_progress, jobs=args.jobs)
     print(path.read_text(encoding="utf-8"), end="")

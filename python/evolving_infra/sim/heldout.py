@@ -1,0 +1,84 @@
+"""The held-out protocol (issue 25, item 4): the planner is tuned on part of what we have and
+reported on the rest.
+
+Tuning set (what planner changes may be judged on): the bundled Claude Code conversations at
+even positions in file-name order (`TUNE_FILES`), generator seeds 0 and 1, the scenario levels'
+agent counts, and the level scenarios themselves (they draw from all 24 files, seed 0).
+Held out (reported, never tuned on): the conversations at odd positions (`held_out_files`),
+generator seeds 2 and 3, the Mooncake conversation trace, and agent counts between the levels
+(`CELLS`). The `heldout` scenario runs every held-out cell with `evolving` and `best-static`;
+`holds_on_held_out` is the issue's bar: evolving at least 0.98x the best static split in every
+cell, with at most 4 switches per simulated hour (every cell is stationary).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from evolving_infra.workloads.model import Trace
+
+HELD_OUT_SEEDS = (2, 3)
+TUNE_SEEDS = (0, 1)
+BEST_STATIC_FLOOR = 0.98  # evolving / best static, every cell
+SWITCHES_PER_HOUR = 4.0  # at most, on a stationary workload
+
+
+def bundled_files() -> list[Path]:
+    from evolving_infra.workloads.claude_code import bundled_trace_dir
+
+    return sorted(bundled_trace_dir().glob("trace_*.json.xz"))
+
+
+def tune_files() -> list[Path]:
+    return bundled_files()[0::2]
+
+
+def held_out_files() -> list[Path]:
+    return bundled_files()[1::2]
+
+
+@functools.cache
+def held_out_pool() -> Trace:
+    """The held-out Claude Code conversations, to draw sessions from (once per process)."""
+    from evolving_infra.workloads.sampling import load_pool
+
+    return load_pool(held_out_files())
+
+
+@functools.cache
+def mooncake_pool() -> Trace:
+    from evolving_infra.workloads.claude_code import bundled_trace_dir
+    from evolving_infra.workloads.sampling import load_pool
+
+    return load_pool([bundled_trace_dir().parent / "mooncake"])
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One held-out cell: a workload kind (`scenarios.Workload`'s), agents on 36 GPUs, seed."""
+
+    kind: str
+    agents: int
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}-{self.agents}-s{self.seed}"
+
+
+# Agent counts between the scenario levels (cc 20/100/250, OSWorld 15/80/200, Putnam 4/15/50);
+# the Mooncake trace at two loads.
+HELD_OUT_KINDS = {
+    "claude-code-held": (60, 150),
+    "osworld": (40, 120),
+    "putnam": (8, 30),
+    "mooncake": (40, 120),
+}
+CELLS = tuple(
+    Cell(kind, agents, seed)
+    for kind, counts in HELD_OUT_KINDS.items()
+    for agents in counts
+    for seed in HELD_OUT_SEEDS
+)
