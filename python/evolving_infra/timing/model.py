@@ -148,7 +148,8 @@ def _prior_fits(deployment: Deployment) -> dict[Phase, _Fit]:
     shared by all), so a cached or context token costs `model.kv_bytes_per_token` / bw of one
     GPU, not / tp; the replicated down-projections (q_a, kv_a) are read by every GPU; decode
     attention costs the larger of that read and the absorbed form's FLOPs; a prefill pair costs
-    the mean of the non-absorbed (MHA, new x new) and the absorbed (new x cached) forms' FLOPs.
+    the non-absorbed (MHA) form's FLOPs, and a cached token its latent's expansion by kv_b
+    (SGLang's MHA with chunked KV, its path on Blackwell) beside its read.
 
     MTP (`mtp_draft_tokens` d > 0): a decode step verifies B·(1+d) rows (the per-row slopes and
     the attention FLOPs times 1+d, the weights and the KV read once) and runs d draft steps of one
@@ -175,14 +176,15 @@ def _prior_fits(deployment: Deployment) -> dict[Phase, _Fit]:
         comm0 = 2 * m.layers * PRIOR_ALLREDUCE_S
     if mla:  # one GPU reads all of the latent
         kv_s = m.kv_bytes_per_token / one_gpu
-        # QK^T and PV per pair and layer: the MHA form (new x new pairs) and the absorbed one
-        # (new x cached, and decode); a prefill pair costs their mean, ΣA counting both kinds.
+        # QK^T and PV per pair and layer: the MHA form in prefill (on keys and values kv_b
+        # expanded, the prefix's too), the absorbed one in decode.
         mha = 2 * m.layers * m.heads * ((m.head_dim + m.rope_head_dim) + m.head_dim)
         absorbed = 2 * m.layers * m.heads * (m.kv_lora_rank + m.rope_head_dim + m.kv_lora_rank)
-        attn = (mha + absorbed) / 2 / (tp * g.flops * PRIOR_ATTENTION_EFF)
+        attn = mha / (tp * g.flops * PRIOR_ATTENTION_EFF)
+        expand_s = 2 * m.layers * m.kv_lora_rank * m.heads * 2 * m.head_dim / flops
         dec_ctx = max(kv_s, (1 + d) * absorbed / (tp * g.flops * PRIOR_ATTENTION_EFF))
     else:
-        kv_s = m.kv_bytes_per_token / bw
+        kv_s, expand_s = m.kv_bytes_per_token / bw, 0.0
         attn = m.attention_flops_per_pair / (tp * g.flops * PRIOR_ATTENTION_EFF)
         # Decode attention reads the KV once per step: memory-bound (GQA: ~1 FLOP per byte per
         # query), so the byte cost is the cost, unless 1+d verified queries outweigh it.
@@ -191,7 +193,7 @@ def _prior_fits(deployment: Deployment) -> dict[Phase, _Fit]:
     # Decode runs the LM head for every token; prefill only for the last one (ignored).
     dec_slope = 2 * (m.active_params + m.head_params) / flops
     floor = PRIOR_OVERHEAD_S + weight_s + comm0
-    pre = np.array([floor, comm, pre_slope, attn, kv_s])
+    pre = np.array([floor, comm, pre_slope, attn, kv_s + expand_s])
     dec = np.array([floor, comm, dec_slope, dec_ctx])
     pre_knee, dec_knee = weight_s / pre_slope, weight_s / dec_slope
     if d:

@@ -160,8 +160,8 @@ class RooflineTruth:
         tokens = sum(u for u, _ in batch)
         out = self._dense(tokens, lm_rows=len(batch))
         if self.deployment.model.kv_lora_rank:
-            out["kv_b"] = truth_mla.kv_b(self, tokens)
-            out["mla_absorb"] = truth_mla.absorb(self, sum(u for u, c in batch if c > 0))
+            # The new tokens' latents and the cached prefixes' re-expanded (MHA_CHUNKED_KV).
+            out["kv_b"] = truth_mla.kv_b(self, tokens + sum(c for u, c in batch if u > 0))
         out["attention"] = sum(self._prefill_attention(u, c) for u, c in batch)
         e = self.efficiency
         out["overhead"] = e.prefill_overhead + e.per_request * len(batch)

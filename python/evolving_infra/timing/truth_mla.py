@@ -20,17 +20,14 @@ attention (SGLang's default without `--enable-dp-attention`). The shapes are SGL
   part is absorbed into the latent by W_UK (per head head_dim x kv_lora_rank) and the output
   brought back by W_UV (kv_lora_rank x head_dim): two batched GEMMs per layer ("mla_absorb")
   that replace `kv_b_proj` in decode. They read the same weights `kv_b_proj` holds.
-- Prefill: `kv_b_proj` expands the new tokens' latents to per-head keys and values ("kv_b"),
-  and the new x new pairs run in the non-absorbed MHA form, 2·(heads/tp)·((head_dim + rope) +
-  head_dim) FLOPs per pair per layer. Assumption: the new x cached pairs run in the absorbed
-  form (SGLang's MLA path for an extend over a prefix, `_dispatch_mla_subtype`), reading the
-  cached latent in full on every rank, and the new tokens' queries go through W_UK/W_UV
-  ("mla_absorb", over the new tokens of requests that have a prefix). SGLang also has an MHA
-  path with chunked KV (`MHA_CHUNKED_KV`: the prefix's latent re-expanded by `kv_b_proj` per
-  chunk), which its FA3 handler takes for prefixes of 8,192 tokens and more and its
-  `trtllm_mla` handler (Blackwell) for every extend; it is cheaper per cached pair (the
-  absorbed form does 3.4x the MHA FLOPs per pair), so the truth over-prices long cached
-  prefixes against that path. Bytes: the cached latent read, the new latent written.
+- Prefill: the MHA form with chunked KV (SGLang's `MHA_CHUNKED_KV`, which its `trtllm_mla`
+  handler takes on Blackwell for every extend, and its FA3 handler for prefixes of 8,192
+  tokens and more): `kv_b_proj` expands the latents of the new tokens and of the cached
+  prefix to per-head keys and values ("kv_b", once per iteration per token), and every pair,
+  new x new and new x cached, runs at 2·(heads/tp)·((head_dim + rope) + head_dim) FLOPs per
+  layer. Per cached pair that is 0.29x the absorbed form (which decode runs); the price is
+  the prefix's expansion, 2·kv_lora_rank·heads·2·head_dim/tp FLOPs per cached token and
+  layer. Bytes: the cached latent read in full on every rank, the new latent written.
 - Compute efficiencies: the absorbed decode kernel reaches `Efficiency.mla_decode_attention`
   (FlashMLA: 580, later 660 TFLOP/s compute-bound on an H800 of 990 peak, i.e. 0.59-0.67;
   assumption 0.6 on the BF16 peak, FP8 latents being dequantised in the kernel); prefill
@@ -123,18 +120,13 @@ def decode_attention(t: RooflineTruth, context: float, queries: int) -> float:
 
 
 def prefill_attention(t: RooflineTruth, uncached: int, cached: int) -> float:
-    """Causal attention of `uncached` new queries: over themselves in the MHA form (the new
-    latent written), then over `cached` latents in the absorbed form (read in full per rank);
-    two kernels, whose times add."""
+    """Causal attention of `uncached` new queries over `cached` + `uncached` keys, all in the
+    MHA form on keys and values `kv_b_proj` expanded (`kv_b`, priced with the projections):
+    the cached latent read in full per rank, the new one written."""
     if uncached == 0:
         return 0.0
     m, e, tp = t.deployment.model, t.efficiency, t.deployment.tp
     eff = e.attention_max * uncached / (uncached + e.attention_half)
     mha = m.layers * 2 * (m.heads / tp) * ((m.head_dim + m.rope_head_dim) + m.head_dim)
-    new = uncached * (uncached + 1) / 2
-    out = t._roofline(mha * new, eff, m.kv_bytes_per_token * uncached)
-    if cached:
-        pairs = uncached * cached
-        flops = _absorbed_flops_per_pair(m, tp) * pairs
-        out += t._roofline(flops, eff, m.kv_bytes_per_token * cached)
-    return out
+    pairs = uncached * cached + uncached * (uncached + 1) / 2
+    return t._roofline(mha * pairs, eff, m.kv_bytes_per_token * (cached + uncached))
