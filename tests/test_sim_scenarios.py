@@ -13,8 +13,7 @@ import pytest
 from evolving_infra.sim import claims, heldout, scenario_command
 from evolving_infra.sim.claims import holds_on_held_out
 from evolving_infra.sim.policies import ABLATIONS, PolicySpec
-from evolving_infra.sim.scenarios import LEVELS as LEVELS_36
-from evolving_infra.sim.scenarios import SCENARIOS, Size
+from evolving_infra.sim.scenarios import LEVELS_BY_DEPLOYMENT, SCENARIOS, Size
 from evolving_infra.workloads.errors import WorkloadError
 
 
@@ -295,11 +294,14 @@ def test_the_held_out_protocol_keeps_its_halves_apart() -> None:
     assert not set(tune) & set(held)
     assert sorted(tune + held) == heldout.bundled_files()
     assert not set(heldout.TUNE_SEEDS) & set(heldout.HELD_OUT_SEEDS)
-    for c in heldout.CELLS:  # agent counts between the levels, not at them
-        assert c.seed in heldout.HELD_OUT_SEEDS
-        level = {"claude-code-held": "cc", "osworld": "osworld", "putnam": "putnam"}.get(c.kind)
-        if level is not None:
-            assert c.agents not in LEVELS_36[level].values()
+    for name, levels in LEVELS_BY_DEPLOYMENT.items():
+        for c in heldout.cells(name):  # agent counts between the levels, not at them
+            assert c.seed in heldout.HELD_OUT_SEEDS
+            kind = {"claude-code-held": "cc", "osworld": "osworld", "putnam": "putnam"}
+            if c.kind in kind:
+                counts = sorted(levels[kind[c.kind]].values())
+                assert c.agents not in counts
+                assert counts[0] < c.agents < counts[-1]
     pool = heldout.held_out_pool()
     names = {a.namespace.split("@")[0] for a in pool.agents}
     assert len(names) >= 12

@@ -68,17 +68,34 @@ class Cell:
         return f"{self.kind}-{self.agents}-s{self.seed}"
 
 
-# Agent counts between the scenario levels (cc 20/100/250, OSWorld 15/80/200, Putnam 4/15/50);
-# the Mooncake trace at two loads.
+# Agent counts between the scenario levels of each deployment (`scenarios.LEVELS`: cc
+# 20/100/250, OSWorld 15/80/200, Putnam 4/15/50 on the H100s; `PAPER_LEVELS`: 50/150/300,
+# 40/400/600, 15/100/200), and the Mooncake trace at two loads.
 HELD_OUT_KINDS = {
-    "claude-code-held": (60, 150),
-    "osworld": (40, 120),
-    "putnam": (8, 30),
-    "mooncake": (40, 120),
+    "h100-llama": {
+        "claude-code-held": (60, 150),
+        "osworld": (40, 120),
+        "putnam": (8, 30),
+        "mooncake": (40, 120),
+    },
+    "paper": {
+        "claude-code-held": (100, 220),
+        "osworld": (150, 500),
+        "putnam": (50, 150),
+        "mooncake": (100, 300),
+    },
 }
-CELLS = tuple(
-    Cell(kind, agents, seed)
-    for kind, counts in HELD_OUT_KINDS.items()
-    for agents in counts
-    for seed in HELD_OUT_SEEDS
-)
+
+
+def cells(deployment: str) -> tuple[Cell, ...]:
+    """The held-out cells of a deployment named in `HELD_OUT_KINDS` (others: the H100s')."""
+    kinds = HELD_OUT_KINDS.get(deployment, HELD_OUT_KINDS["h100-llama"])
+    return tuple(
+        Cell(kind, agents, seed)
+        for kind, counts in kinds.items()
+        for agents in counts
+        for seed in HELD_OUT_SEEDS
+    )
+
+
+CELLS = cells("h100-llama")

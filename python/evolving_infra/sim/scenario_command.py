@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shared pool keeps one copy of a block (a sensitivity; `sim --pool-one-copy`)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_deployment_arguments(run)
+    add_deployment_arguments(run, default="paper")
     check = sub.add_parser("check", help="recompute the claims of scenario results on disk")
     check.add_argument(
         "folders", type=Path, nargs="+", metavar="DIR/NAME", help="folders `run` wrote"
@@ -155,7 +155,8 @@ def report(results: dict[str, Any]) -> str:
     variant = "quick" if results["quick"] else "full"
     wall = results.get("wall_s")
     lines = [
-        f"# Scenario `{results['scenario']}` ({variant}, seed {results['seed']})",
+        f"# Scenario `{results['scenario']}` ({variant}, seed {results['seed']},"
+        f" deployment {results.get('deployment', 'h100-llama')})",
         "",
         f"What it shows: {results['shows']}.",
         f"Paper claim: {results['claim']}.",

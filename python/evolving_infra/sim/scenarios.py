@@ -19,6 +19,20 @@ per agent and P50 TTFT, which stays at the unloaded ~0.3 s until queues form):
 - OSWorld: 10 agents 0.85 req/s, P50 0.41 s; 40: 2.9 req/s (linear), 0.51 s; 100: 5.1 req/s,
   1.4 s; 200: 7.0 req/s, 13 s. Low 15, mid 80, high 200.
 
+The paper's deployment (`--deployment paper`: Kimi K2 on 4 x GB300 per node, NVFP4 experts,
+FP8 KV, 3 draft tokens with 2.5 accepted) serves far more: a node holds ~3M tokens of KV (400k
+for Llama-3-70B on 4 x H100) and decodes 2.5 tokens a step. The same quick sweeps there (600 s,
+static 4P5D, seed 0), `PAPER_LEVELS`:
+
+- Claude Code: 50 agents 25.6 tok/s/agent, P50 TTFT 0.09 s, P95 0.7 s; 100: 25.1, P95 11 s;
+  150: 23.2, P95 36 s (queues form); 200: 19.5, P95 65 s; 300: 11.6 (3,492 tok/s, no more than
+  150's), P50 15 s; 400: throughput falls to 1,566 tok/s (a working set beyond the prefill
+  nodes' cache: prefill recomputes). Low 50, mid 150, high 300.
+- Putnam: 4-50 agents ~340-354 tok/s/agent, P95 TTFT 0.1 s; 100: 308, P95 18 s; 200: 205,
+  P95 170 s (requests wait for decode KV). Low 15, mid 100, high 200.
+- OSWorld: 15-200 agents 34-36 tok/s/agent, P95 TTFT <= 1.1 s; 400: 25.6, P95 23 s; 800: 14.5,
+  P50 7 s. Low 40, mid 400, high 600.
+
 `--quick` keeps the load per node and shortens the run: 16 GPUs (4 nodes, so `best-static` sweeps
 3 splits instead of 8) with 4/9 of the agents, 600 simulated seconds. Scenarios whose point needs
 9 nodes (initial splits 3P6D..6P3D) keep 36 GPUs and shorten the run instead.
@@ -52,7 +66,7 @@ from evolving_infra.sim.claims import (
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.policies import ABLATIONS, EVOLVING, PolicySpec
 from evolving_infra.sim.run import BEST_STATIC, compare
-from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
+from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment, deployment_name
 from evolving_infra.workloads import generators
 from evolving_infra.workloads.model import Trace
 
@@ -79,8 +93,16 @@ LEVELS: dict[str, dict[str, int]] = {  # agents on 36 GPUs (see the module docst
     "putnam": {"low": 4, "mid": 15, "high": 50},
     "osworld": {"low": 15, "mid": 80, "high": 200},
 }
+# The same levels on the paper's deployment (module docstring, "paper deployment").
+PAPER_LEVELS: dict[str, dict[str, int]] = {
+    "cc": {"low": 50, "mid": 150, "high": 300},
+    "putnam": {"low": 15, "mid": 100, "high": 200},
+    "osworld": {"low": 40, "mid": 400, "high": 600},
+}
+LEVELS_BY_DEPLOYMENT = {"h100-llama": LEVELS, "paper": PAPER_LEVELS}
 SHIFT_AGENTS = 60  # between Putnam's and OSWorld's capacities: both ends load the cluster
-# Claude Code agents per GPU at the "mid" level, kept at every scale (100 on 36 GPUs).
+# Claude Code agents per GPU at the "mid" level, kept at every scale (100 on 36 H100s; the paper
+# deployment's, 150 on 36, on it).
 MID_AGENTS_PER_GPU = LEVELS["cc"]["mid"] / 36
 
 
@@ -189,11 +211,17 @@ def _config(gpus: int, size: Size, duration: float, seed: int | None = None) -> 
     )
 
 
+def levels(size: Size) -> dict[str, dict[str, int]]:
+    """The concurrency levels of `size`'s deployment (a deployment without levels of its own
+    gets the default one's: loads, not the levels they name)."""
+    return LEVELS_BY_DEPLOYMENT.get(deployment_name(size.deployment), LEVELS)
+
+
 def _level(kind: str, level: str) -> Callable[[Size], list[ScenarioRun]]:
-    agents_36 = LEVELS[kind][level]
     workload_kind = CLAUDE_CODE if kind == "cc" else kind
 
     def build(size: Size) -> list[ScenarioRun]:
+        agents_36 = levels(size)[kind][level]
         gpus = QUICK_GPUS if size.quick else 36
         d = size.seconds(FULL_DURATION, QUICK_DURATION)
         w = Workload(workload_kind, size.agents(agents_36 * gpus / 36), d)
@@ -223,7 +251,8 @@ def _heldout(size: Size) -> list[ScenarioRun]:
     # GPUs, 600 s, the first seed only.
     gpus = QUICK_GPUS if size.quick else 36
     d = size.seconds(FULL_DURATION, QUICK_DURATION)
-    cells = [c for c in heldout.CELLS if not size.quick or c.seed == heldout.HELD_OUT_SEEDS[0]]
+    every = heldout.cells(deployment_name(size.deployment))
+    cells = [c for c in every if not size.quick or c.seed == heldout.HELD_OUT_SEEDS[0]]
     return [
         ScenarioRun(
             c.label,
@@ -243,7 +272,8 @@ def _initial_splits(size: Size) -> list[ScenarioRun]:
     # agents (a lighter load still has one best split) for 900 s: the planner needs >= 3
     # one-minute slices before its first decision, then a few more to confirm a move.
     d = size.seconds(FULL_DURATION, 900.0)
-    w = Workload(CLAUDE_CODE, size.agents(LEVELS["cc"]["mid"] * (0.6 if size.quick else 1)), d)
+    mid = levels(size)["cc"]["mid"]
+    w = Workload(CLAUDE_CODE, size.agents(mid * (0.6 if size.quick else 1)), d)
     return [
         ScenarioRun(
             str(split),
@@ -271,9 +301,10 @@ def _ablations(size: Size) -> list[ScenarioRun]:
         BEST_STATIC,
         "best-dynamo-hicache-static",
     )
+    mid = {kind: v["mid"] for kind, v in levels(size).items()}
     workloads = {
-        "cc-mid": Workload(CLAUDE_CODE, size.agents(LEVELS["cc"]["mid"] * gpus / 36), d),
-        "osworld-mid": Workload("osworld", size.agents(LEVELS["osworld"]["mid"] * gpus / 36), d),
+        "cc-mid": Workload(CLAUDE_CODE, size.agents(mid["cc"] * gpus / 36), d),
+        "osworld-mid": Workload("osworld", size.agents(mid["osworld"] * gpus / 36), d),
         "shift": Workload("shift", size.agents(SHIFT_AGENTS * gpus / 36), d),
     }
     return [ScenarioRun(label, w, cfg, policies) for label, w in workloads.items()]
@@ -292,7 +323,8 @@ def _scale(gpus: int) -> Callable[[Size], list[ScenarioRun]]:
         load = quick_load if size.quick else 1.0
         # The generator, not the bundled traces: thousands of agents drawn from 24 real
         # sessions would be mostly copies; the generator's sessions are all different.
-        w = Workload("cc", size.agents(MID_AGENTS_PER_GPU * gpus * load), d)
+        per_gpu = levels(size)["cc"]["mid"] / 36
+        w = Workload("cc", size.agents(per_gpu * gpus * load), d)
         # No best-static: 63 and 767 splits. Evolving vs the two baselines.
         return [ScenarioRun(f"{gpus} GPUs", w, _config(gpus, size, d), BASELINES)]
 
@@ -326,7 +358,8 @@ def _scenarios() -> dict[str, Scenario]:
             name = f"{kind}-{level}"
             out[name] = Scenario(
                 name,
-                f"stationary {label}, {level} load ({LEVELS[kind][level]} agents on 36 GPUs):"
+                f"stationary {label}, {level} load ({LEVELS[kind][level]} agents on 36 H100s,"
+                f" {PAPER_LEVELS[kind][level]} on the paper's deployment):"
                 " evolving vs the fair baselines and each infrastructure's best static split",
                 _LEVEL_CLAIMS[level],
                 _WALL_LEVEL[level],
@@ -414,6 +447,7 @@ def run_scenario(
         "claim": scenario.claim,
         "quick": size.quick,
         "seed": size.seed,
+        "deployment": deployment_name(size.deployment),
         "runs": {},
     }
     for i, run in enumerate(runs):
