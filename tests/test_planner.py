@@ -20,7 +20,6 @@ from evolving_infra.planner import (
 )
 from evolving_infra.planner.common import (
     MeanRequest,
-    decode_rate,
     kv_capacity_tokens,
     merge,
     prefill_rate,
@@ -34,6 +33,7 @@ from evolving_infra.planner.dynamo import (
     may_shrink,
 )
 from evolving_infra.planner.hits import SplitMemory
+from evolving_infra.planner.throughput import SliceDemand, split_rate
 from evolving_infra.timing import DEFAULT_DEPLOYMENT
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
@@ -109,30 +109,26 @@ def test_evolving_moves_toward_decode_when_slices_are_decode_heavy() -> None:
     assert target.decode > 4
 
 
-def hold(m: MeanRequest) -> float:
-    """Seconds the mean request holds decode KV before decoding (early decode allocation:
-    through its prefill and the transfer), as the planner prices it."""
-    prompt = m.uncached + m.cached
-    moved = prompt * DEFAULT_DEPLOYMENT.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * 4)
-    return prefill_seconds(MODEL, m.uncached, m.cached, 8192) + moved
-
-
 def test_evolving_target_balances_the_rates() -> None:
-    """The chosen split is the argmax of mean min(x mu_P, (N - x) mu_D), computed here by hand."""
+    """The chosen split is the argmax over candidates of the slices' mean sustained rate
+    (`throughput.split_rate`), each slice's demand priced here by hand."""
     w = window(AGENTIC, seed=1)
     kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
     means = [m for m in map(MeanRequest.of, w) if m is not None]
 
-    mu = [
-        (
-            prefill_rate(MODEL, m.uncached, m.cached, 8192),
-            decode_rate(MODEL, m, kv, 256, hold_s=hold(m)),
+    def demand(m: MeanRequest) -> SliceDemand:
+        prompt = m.uncached + m.cached
+        moved = prompt * DEFAULT_DEPLOYMENT.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * 4)
+        return SliceDemand(
+            mean=m,
+            mu_p=prefill_rate(MODEL, m.uncached, m.cached, 8192),
+            prefill_s=prefill_seconds(MODEL, m.uncached, m.cached, 8192),
+            transfer_s=moved,
+            early=True,
         )
-        for m in means
-    ]
 
     def theta(x: int) -> float:
-        return sum(min(x * p, (8 - x) * d) for p, d in mu) / len(mu)
+        return sum(split_rate(MODEL, demand(m), x, 8 - x, kv, 256) for m in means) / len(means)
 
     best = max(range(1, 8), key=theta)
     ev = EvolvingPlanner(8).evaluate(NOW, Split(4, 4), w, MODEL)
@@ -142,16 +138,17 @@ def test_evolving_target_balances_the_rates() -> None:
 
 
 def crossover_output(u: int, c: int) -> float:
-    """Output tokens per request at which 3 decode nodes serve exactly what 4 prefill nodes do:
-    there, 4P4D and 5P3D have the same throughput."""
+    """Output tokens per request at which 4P4D and 5P3D sustain the same rate
+    (`throughput.split_rate`, as the planner prices a slice)."""
     kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
+    planner = EvolvingPlanner(8)
     mu_p = prefill_rate(MODEL, u, c, 8192)
     lo, hi = 1.0, 1e5
     for _ in range(100):
         o = (lo + hi) / 2
-        mean = MeanRequest(u, c, o, u + c + o / 2)
-        mu_d = decode_rate(MODEL, mean, kv, 256, hold_s=hold(mean))
-        lo, hi = (o, hi) if 3 * mu_d > 4 * mu_p else (lo, o)
+        d = planner._demand(MODEL, MeanRequest(u, c, o, u + c + o / 2), mu_p)
+        four, five = (split_rate(MODEL, d, x, 8 - x, kv, 256) for x in (4, 5))
+        lo, hi = (o, hi) if four < five else (lo, o)
     return (lo + hi) / 2
 
 
@@ -295,7 +292,7 @@ def test_evolving_does_not_flip_on_one_bursty_slice() -> None:
     u, c = 2_000, 8_000
     o = crossover_output(u, c)
     # 1000 requests a slice: the output per request is exact to 1e-3 tokens.
-    calm = [sl(k, u, c, o * (1 + 0.02 * (-1) ** k), n=1000) for k in range(9)]
+    calm = [sl(k, u, c, o * (1 - 0.02 * (-1) ** k), n=1000) for k in range(9)]
     burst = sl(9, 16_000, 0, 30, n=5000)
     p = EvolvingPlanner(8)
     assert p.decide(NOW, Split(4, 4), [*calm, burst], MODEL) is None

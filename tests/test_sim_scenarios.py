@@ -294,6 +294,7 @@ def test_the_held_out_protocol_keeps_its_halves_apart() -> None:
     assert not set(tune) & set(held)
     assert sorted(tune + held) == heldout.bundled_files()
     assert not set(heldout.TUNE_SEEDS) & set(heldout.HELD_OUT_SEEDS)
+    assert not set(heldout.CONSUMED_SEEDS) & set(heldout.HELD_OUT_SEEDS)
     for name, levels in LEVELS_BY_DEPLOYMENT.items():
         for c in heldout.cells(name):  # agent counts between the levels, not at them
             assert c.seed in heldout.HELD_OUT_SEEDS

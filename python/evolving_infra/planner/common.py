@@ -193,37 +193,3 @@ def kv_capacity_tokens(deployment: Deployment) -> int:
     weights and an activation reserve, over the node's KV bytes per token (MLA keeps its
     latent on every GPU)."""
     return max(int(deployment.kv_bytes() // deployment.kv_bytes_per_token), 1)
-
-
-def decode_rate(
-    model: IterationModel,
-    mean: MeanRequest,
-    kv_tokens: int,
-    max_batch: int,
-    *,
-    hold_s: float = 0.0,
-    tokens_per_step: float = 1.0,
-) -> float:
-    """Requests/s one decode node serves: the batch that fits its KV at the mean context (capped
-    at `max_batch`), at the model's step time, divided by the output tokens per request.
-
-    `hold_s` > 0: each request also holds its KV for `hold_s` seconds before it decodes (SGLang's
-    early decode allocation reserves the prompt and the output at dispatch, while the prefill
-    queues, runs and transfers). Then a node's KV is shared by the requests decoding and those
-    waiting, in proportion to the time each spends: resident requests R = KV / (prompt +
-    output), of which the batch B = R x T / (T + hold), T = output x step(B) / tokens per step
-    (a fixed point, a few iterations), and the node serves B / T requests/s."""
-    if hold_s <= 0.0:
-        full = max(min(max_batch, int(kv_tokens // max(mean.context, 1.0))), 1)
-        step = model.predict_decode(full, round(full * mean.context))
-        return full / step / mean.output * tokens_per_step
-    reserve = max(mean.uncached + mean.cached + mean.output, 1.0)
-    resident = max(kv_tokens / reserve, 1.0)
-    batch = max(min(float(max_batch), resident), 1.0)
-    decode_s = 0.0
-    for _ in range(6):
-        b = max(round(batch), 1)
-        decode_s = mean.output * model.predict_decode(b, round(b * mean.context)) / tokens_per_step
-        share = resident * decode_s / (decode_s + hold_s)
-        batch = 0.5 * batch + 0.5 * max(min(float(max_batch), share), 1.0)  # damped
-    return batch / decode_s

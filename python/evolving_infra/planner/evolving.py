@@ -58,7 +58,6 @@ from evolving_infra.planner.common import (
     MAX_DECODE_BATCH,
     MeanRequest,
     PlannerGate,
-    decode_rate,
     kv_capacity_tokens,
     packed_prefill_rate,
     prefill_rate,
@@ -66,6 +65,7 @@ from evolving_infra.planner.common import (
     rebin,
 )
 from evolving_infra.planner.hits import SplitMemory
+from evolving_infra.planner.throughput import SliceDemand, split_rate
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
 
@@ -144,7 +144,6 @@ class EvolvingPlanner(PlannerGate):
         mix = [m for _, m in kept]
         times = np.array([(s.start + s.end) / 2 for s, _ in kept])
         kv = self._kv_tokens(model)
-        mu_d = np.array([self._decode_rate(model, m, kv) for m in mix])
         xs = np.arange(1, n)  # prefill nodes of each candidate
         # μ_P per slice at each candidate's loss of cached blocks (`hits`); one row per distinct
         # loss: untried candidates share one.
@@ -152,7 +151,13 @@ class EvolvingPlanner(PlannerGate):
         factors = [1.0 if f is None else f for f in losses]
         rows = {f: self._prefill_rates(model, kept, f) for f in set(factors)}
         mu_p = np.stack([rows[f] for f in factors], axis=1)  # (slices, candidates)
-        theta = np.minimum(mu_p * xs, np.outer(mu_d, n - xs))
+        theta = np.empty_like(mu_p)
+        for i, m in enumerate(mix):
+            for k, x in enumerate(xs):
+                demand = self._demand(model, m, float(mu_p[i, k]))
+                theta[i, k] = split_rate(
+                    model, demand, int(x), int(n - x), kv, self.max_decode_batch
+                )
         mean_theta = theta.mean(axis=0)
         cur = split.prefill - 1
         # Best mean Θ; among ties (within a relative 1e-9) the one closest to the current split.
@@ -170,19 +175,21 @@ class EvolvingPlanner(PlannerGate):
             gain_now=_line_at(times, gains, float(times.max()) + self.window_s / self.slices),
         )
 
-    def _decode_rate(self, model: IterationModel, m: MeanRequest, kv: int) -> float:
-        """μ_D of a slice's mean request; with early decode allocation its KV is held while the
-        prefill runs and its KV moves over (`common.decode_rate`'s `hold_s`)."""
-        hold = 0.0
-        if self.early_allocation:
-            hold = prefill_seconds(model, m.uncached, m.cached, self.chunk_tokens)
-            if model.deployment is not None:
-                d = model.deployment
-                hold += (
-                    (m.uncached + m.cached) * d.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * d.tp)
-                )
-        tokens = model.deployment.mtp_accepted if model.deployment is not None else 1.0
-        return decode_rate(model, m, kv, self.max_decode_batch, hold_s=hold, tokens_per_step=tokens)
+    def _demand(self, model: IterationModel, m: MeanRequest, mu_p: float) -> SliceDemand:
+        """What a slice's mean request asks of a split (`throughput.split_rate`)."""
+        d = model.deployment
+        transfer = 0.0
+        if d is not None:
+            moved = (m.uncached + m.cached) * d.kv_bytes_per_token
+            transfer = moved / (DEFAULT_POOL_BANDWIDTH * d.tp)
+        return SliceDemand(
+            mean=m,
+            mu_p=mu_p,
+            prefill_s=prefill_seconds(model, m.uncached, m.cached, self.chunk_tokens),
+            transfer_s=transfer,
+            early=self.early_allocation,
+            tokens_per_step=d.mtp_accepted if d is not None else 1.0,
+        )
 
     def _prefill_rates(
         self,

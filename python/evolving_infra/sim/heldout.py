@@ -2,13 +2,17 @@
 reported on the rest.
 
 Tuning set (what planner changes may be judged on): the bundled Claude Code conversations at
-even positions in file-name order (`TUNE_FILES`), generator seeds 0 and 1, the scenario levels'
+even positions in file-name order (`tune_files`), generator seeds 0 and 1, the scenario levels'
 agent counts, and the level scenarios themselves (they draw from all 24 files, seed 0).
 Held out (reported, never tuned on): the conversations at odd positions (`held_out_files`),
-generator seeds 2 and 3, the Mooncake conversation trace, and agent counts between the levels
-(`CELLS`). The `heldout` scenario runs every held-out cell with `evolving` and `best-static`;
-`holds_on_held_out` is the issue's bar: evolving at least 0.98x the best static split in every
-cell, with at most 4 switches per simulated hour (every cell is stationary).
+generator seeds 4 and 5, the Mooncake conversation trace, and agent counts between the levels
+(`CELLS`). Seeds 2 and 3 were the first held-out draw (2026-12-02): that run showed the planner
+giving Mooncake's fresh prompts eight prefill nodes, which led to its queueing model
+(`planner/throughput.py`), so they count as tuning data now (`CONSUMED_SEEDS`) and the report
+is on seeds 4 and 5, which no change was judged on. The `heldout` scenario runs every held-out
+cell with `evolving` and `best-static`; `holds_on_held_out` is the issue's bar: evolving at
+least 0.98x the best static split in every cell, with at most 4 switches per simulated hour
+(every cell is stationary).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from pathlib import Path
 
 from evolving_infra.workloads.model import Trace
 
-HELD_OUT_SEEDS = (2, 3)
+HELD_OUT_SEEDS = (4, 5)
 TUNE_SEEDS = (0, 1)
+CONSUMED_SEEDS = (2, 3)  # a held-out draw a change was then made after: tuning data since
 BEST_STATIC_FLOOR = 0.98  # evolving / best static, every cell
 SWITCHES_PER_HOUR = 4.0  # at most, on a stationary workload
 
