@@ -4,7 +4,8 @@
 
 Reads every `NAME/results.json` that `evolving-infra scenario run NAME --out DIR` wrote and
 prints: output tokens/s and P95 TTFT per policy (a sweep with its best split), evolving's
-throughput over each baseline, the ablations (what each mechanism is worth), and every claim's
+throughput over each baseline, the ablations (what each mechanism is worth), the held-out grid
+(evolving over the best static split and switches per hour, per cell), and every claim's
 verdict. A run whose label differs from its scenario's name (e.g. the shift at a 180 s restart)
 gets a row of its own.
 """
@@ -105,6 +106,21 @@ def main() -> None:
             ]
             head = f"{evo['throughput_tokens_per_s']:,.0f} (lost {evo['lost_kv_reuse'] or 0:.3f})"
             print(f"| {row} | {head} | " + " | ".join(cells) + " | " + "; ".join(refs) + " |")
+
+    grid = [(r, p) for r, p in rows if r.startswith("heldout: ") and "best-static" in p]
+    if grid:
+        print()
+        print("| held-out cell | evolving tok/s | best static | evolving / best | switches/h |")
+        print("|---|---|---|---|---|")
+        for row, p in grid:
+            evo, best = p["evolving"], p["best-static"]
+            hours = max(evo.get("duration_s", 3600.0), 1.0) / 3600.0
+            ratio = evo["throughput_tokens_per_s"] / max(best["throughput_tokens_per_s"], 1e-9)
+            print(
+                f"| {row.removeprefix('heldout: ')} | {evo['throughput_tokens_per_s']:,.0f} |"
+                f" {best['throughput_tokens_per_s']:,.0f} ({best.get('split', '?')}) |"
+                f" {ratio:.3f} | {evo['switches'] / hours:.1f} |"
+            )
 
     print()
     print("| scenario | claim | outcome |")

@@ -23,6 +23,7 @@ from evolving_infra.workloads import (
     PromptHasher,
     Request,
     Trace,
+    generators,
     load_trace,
     save_trace,
     validate,
@@ -312,6 +313,17 @@ def test_shift_step_switches_at_step_at() -> None:
     switch = 0.3 * plan.duration
     assert {w for t, w in starts if t < switch} == {putnam.NAME}
     assert {w for t, w in starts if t >= switch} == {osworld.NAME}
+
+
+def test_shift_step_is_putnam_for_a_third_then_claude_code() -> None:
+    from evolving_infra.workloads.generators import cc_like
+
+    plan = SlotPlan(agents=20, duration=1800, seed=2)
+    trace = generators.generate("shift-step", plan)
+    starts = session_starts(trace).values()
+    switch = plan.duration / 3
+    assert {w for t, w in starts if t < switch} == {putnam.NAME}
+    assert {w for t, w in starts if t >= switch} == {cc_like.NAME}
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Seeded workload generators, one module per workload.
 
 `putnam` (math proving), `osworld` (computer use), `cc_like` (Claude Code sessions fitted to the
-real traces) and `shift` (a mix whose composition changes over time). Each module documents its
+real traces), `shift` (a mix whose composition changes over time) and `shift_step` (Putnam, then
+Claude Code: a shift whose best split moves). Each module documents its
 parameters and their sources and offers `session(params) -> Session` (one agent session on an
 `AgentBuilder`) and `generate(plan, params=None) -> Trace`; `common` holds the builder and the
 slot filling they share. `generate(name, plan)` runs one by its CLI name.
@@ -22,7 +23,13 @@ from evolving_infra.workloads.generators.common import (
 from evolving_infra.workloads.model import Trace
 
 # CLI name -> module (imported on use: a generator's fitted parameters load only when needed).
-MODULES = {"putnam": "putnam", "osworld": "osworld", "cc": "cc_like", "shift": "shift"}
+MODULES = {
+    "putnam": "putnam",
+    "osworld": "osworld",
+    "cc": "cc_like",
+    "shift": "shift",
+    "shift-step": "shift_step",
+}
 
 
 def generate(name: str, plan: SlotPlan) -> Trace:
