@@ -2,17 +2,22 @@
 the gain is significant across the window's slices (DESIGN §3, "Phase split").
 
 For a candidate split xPyD (x + y = N) and a slice s of the window, the predicted cluster
-throughput is Θ_s(x) = min(x·μ_P(s), y·μ_D(s)) requests/s, with per-node service rates from the
-fitted iteration-time model and the slice's mean request (`common.MeanRequest`):
+throughput Θ_s(x) is the request rate the split sustains (`throughput.split_rate`): the prefill
+nodes keep up, and the decode KV holds every request it reserved for as long as it holds it,
+under SGLang's early decode allocation through the prefill queue (an M/D/1 wait), the prefill
+and the transfer as well as the decode (without it, min(x·μ_P, y·μ_D) undercounted the decode
+KV's use by a half on long fresh prompts and overcounted it on Claude Code). Rates come from the
+fitted iteration-time model:
 
-- μ_P: a prefill node's requests/s for a request of the slice's mean uncached and cached tokens,
-  the uncached ones as the placements estimated them times the loss the planner remembers for
-  that candidate split (`hits.SplitMemory`: how much more the prefills computed than estimated
-  while the split ran; 1 for a split not run recently),
-  iterations batching as many whole requests as fit the chunk budget (8192 tokens, SGLang's
-  default; a longer request runs in chunks), `model.predict_prefill`;
-- μ_D: a decode node's tokens/s at the batch that fits its KV at the slice's mean context
-  (capped at `max_decode_batch`), `model.predict_decode`, over the mean output tokens.
+- μ_P: a prefill node's requests/s of the slice's sampled arrivals (`SliceStats.arrivals`,
+  their own uncached and cached tokens, not their mean's), batched as chunked prefill does
+  (`common.packed_prefill_rate`, 8192 tokens an iteration, SGLang's default), the uncached
+  ones as the placements estimated them times the loss the planner remembers for that
+  candidate split (`hits.SplitMemory`: how much more the prefills computed than estimated
+  while the split ran; 1 for a split not run recently);
+- the decode side: the slice's mean request (`common.MeanRequest`), its decode steps at the
+  batch the rate makes (`model.predict_decode`, capped at `max_decode_batch`), its tokens per
+  step (`Deployment.mtp_accepted`).
 
 Rule, every `interval` (60 s) over a `window_s` (600 s) window cut into `slices` (10) slices:
 1. slices without arrivals are dropped (they say nothing about the mix); fewer than
@@ -84,7 +89,8 @@ class Evaluation:
 
 
 class EvolvingPlanner(PlannerGate):
-    """Θ = min(Σμ_P, Σμ_D) per candidate split per slice; switch on a significant gain."""
+    """Θ = the rate each candidate split sustains, per slice; switch on a gain that is
+    significant and persists."""
 
     name = "evolving"
     switch_mode: SwitchMode = "in-place-keep"
