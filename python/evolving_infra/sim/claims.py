@@ -91,6 +91,12 @@ def _tps(figures: Mapping[str, Any]) -> float:
     return float(figures["throughput_tokens_per_s"])
 
 
+def _over_best_static(p: Mapping[str, Any]) -> float:
+    """Evolving's throughput over the best static split's in one run's policies."""
+    evo, best = _tps(p["evolving"]), _tps(p["best-static"])
+    return evo / best if best > 0 else 1.0
+
+
 def evolving_vs_best_static(runs: Runs) -> Verdict:
     claim = "evolving's throughput is at or above the best static split, found without a sweep"
     rows = list(_with(runs, "evolving", "best-static"))
@@ -98,8 +104,7 @@ def evolving_vs_best_static(runs: Runs) -> Verdict:
         return _na(claim, "evolving with best-static")
     ratios, parts = [], []
     for label, p in rows:
-        evo, best = _tps(p["evolving"]), _tps(p["best-static"])
-        r = evo / best if best > 0 else 1.0
+        evo, best, r = _tps(p["evolving"]), _tps(p["best-static"]), _over_best_static(p)
         ratios.append(r)
         split = p["best-static"].get("split", "?")
         parts.append(
@@ -135,8 +140,7 @@ def holds_on_held_out(runs: Runs) -> Verdict:
         return _na(claim, "evolving with best-static")
     failed, parts = [], []
     for label, p in rows:
-        evo, best = _tps(p["evolving"]), _tps(p["best-static"])
-        r = evo / best if best > 0 else 1.0
+        r = _over_best_static(p)
         hours = max(float(p["evolving"].get("duration_s", 3600.0)), 1.0) / 3600.0
         per_hour = p["evolving"]["switches"] / hours
         parts.append(f"{label}: {r:.3f}, {per_hour:.1f} switches/h")
