@@ -34,7 +34,10 @@ TINY = specs.ModelConfig("tiny", 2, 256, 4, 2, 64, 512, 1024)
 
 
 def models() -> dict[str, ModelConfig]:
-    return {**specs.MODELS, "tiny": TINY}
+    """The models the profile can build: dense GQA ones (its torch layers have neither experts
+    nor latent attention, so a mixture of experts would be profiled as the wrong model)."""
+    dense = {k: m for k, m in specs.MODELS.items() if not m.experts and not m.kv_lora_rank}
+    return {**dense, "tiny": TINY}
 
 
 def gpus() -> dict[str, GpuSpec]:
