@@ -53,7 +53,12 @@ def main() -> None:
     cols = args.baselines.split(",")
     rows = [(r, p) for r, p in _rows(args.folder) if "evolving" in p]
     # One policy alone (initial-splits) has nothing to compare.
-    level = [(r, p) for r, p in rows if len(p) > 1 and not any(a in p for a in ABLATIONS)]
+    # The held-out grid has a table of its own (below).
+    level = [
+        (r, p)
+        for r, p in rows
+        if len(p) > 1 and not any(a in p for a in ABLATIONS) and not r.startswith("heldout: ")
+    ]
 
     print("| scenario | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
