@@ -301,7 +301,7 @@ def _write(path: Path, text: str) -> Path:
         (["demo", "--config", "{tmp}/missing.toml"], "--config {tmp}/missing.toml: cannot read it"),
         (["demo", "--config", "{tmp}/empty"], "--config {tmp}/empty: cannot read it: is a dir"),
         (["demo", "--config", "{tmp}/bad.toml"], "{tmp}/bad.toml: not TOML"),
-        (["sim", "--config", "{tmp}/choice.toml"], "model: 'nope' is not one of glm-4.5, kimi-k2, llama"),
+        (["sim", "--config", "{tmp}/choice.toml"], "model: 'nope' is not one of glm-4.5, kimi-k2"),
         (["model", "eval", "--plot", "{tmp}/no/x.png"], "--plot {tmp}/no/x.png: no folder"),
         (["sim", "--out", "{tmp}/bad.toml"], "--out {tmp}/bad.toml: not a folder"),
         (["trace", "gen", "cc", "-o", "{tmp}/missing/x.jsonl"], "--output {tmp}/missing/x.jsonl"),
