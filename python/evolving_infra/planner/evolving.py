@@ -50,6 +50,7 @@ While a switch is in flight (until `switch_done()`), no decision is made.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,11 +160,10 @@ class EvolvingPlanner(PlannerGate):
         mu_p = np.stack([rows[f] for f in factors], axis=1)  # (slices, candidates)
         theta = np.empty_like(mu_p)
         for i, m in enumerate(mix):
+            demand = self._demand(model, m)  # the same for every candidate but its μ_P
             for k, x in enumerate(xs):
-                demand = self._demand(model, m, float(mu_p[i, k]))
-                theta[i, k] = split_rate(
-                    model, demand, int(x), int(n - x), kv, self.max_decode_batch
-                )
+                at_k = dataclasses.replace(demand, mu_p=float(mu_p[i, k]))
+                theta[i, k] = split_rate(model, at_k, int(x), int(n - x), kv, self.max_decode_batch)
         mean_theta = theta.mean(axis=0)
         cur = split.prefill - 1
         # Best mean Θ; among ties (within a relative 1e-9) the one closest to the current split.
@@ -181,8 +181,9 @@ class EvolvingPlanner(PlannerGate):
             gain_now=_line_at(times, gains, float(times.max()) + self.window_s / self.slices),
         )
 
-    def _demand(self, model: IterationModel, m: MeanRequest, mu_p: float) -> SliceDemand:
-        """What a slice's mean request asks of a split (`throughput.split_rate`)."""
+    def _demand(self, model: IterationModel, m: MeanRequest, mu_p: float = 0.0) -> SliceDemand:
+        """What a slice's mean request asks of a split (`throughput.split_rate`), with `mu_p`
+        the candidate's prefill rate."""
         d = model.deployment
         transfer = 0.0
         if d is not None:

@@ -430,9 +430,7 @@ class Cluster:
         seconds = c.transfer_latency + moved * c.kv_bytes_per_token / c.pd_bandwidth
         self.at(self.now + seconds, self._arrived, req)
 
-    def span_done(
-        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
-    ) -> None:
+    def span_done(self, tokens: int) -> None:
         self.metrics.produced(tokens)
         self.slices.tokens(tokens)
 

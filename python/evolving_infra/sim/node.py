@@ -67,9 +67,7 @@ class Env(Protocol):
     def observe_decode(self, batch: int, context: int, seconds: float) -> None: ...
     def fetched(self, l2_blocks: int, remote_blocks: int, seconds: float) -> None: ...
     def prefilled(self, req: SimRequest) -> None: ...
-    def span_done(
-        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
-    ) -> None: ...
+    def span_done(self, tokens: int) -> None: ...
     def decoded(self, req: SimRequest) -> None: ...
     def decode_reserved(self, req: SimRequest) -> None: ...
     def next_hashes(self, req: SimRequest) -> list[int] | None: ...
@@ -572,10 +570,8 @@ class Node:
             return
         b = len(batch)
         a = self.s.accepted
-        if a == 1.0:
-            k = min(self.s.span_cap, min(r.left for r in batch))
-        else:  # iterations until the first request is done
-            k = min(self.s.span_cap, min(max(math.ceil((r.left - r.credit) / a), 1) for r in batch))
+        # Iterations until the first request is done (its `left` exactly when a is 1).
+        k = min(self.s.span_cap, min(max(math.ceil((r.left - r.credit) / a), 1) for r in batch))
         context = self.batch_context + b * (k - 1) * a / 2
         dt = self.env.truth.decode_time(b, int(context))
         self._span = (now, k, dt, context)
@@ -593,19 +589,17 @@ class Node:
         done: list[SimRequest] = []
         a, made = self.s.accepted, 0
         for r in batch:
-            if a == 1.0:
-                n = k
-            else:
-                gained = r.credit + k * a
-                n = min(math.floor(gained), r.left)
-                r.credit = gained - math.floor(gained)
+            gained = r.credit + k * a
+            whole = math.floor(gained)
+            r.credit = gained - whole
+            n = min(whole, r.left)
             r.made = n
             made += n
             r.left -= n
             r.context += n
             if r.left <= 0:
                 done.append(r)
-        self.env.span_done(len(batch), k, k * dt, context, made)
+        self.env.span_done(made)
         self.batch_context += made
         if done:
             self.batch = [r for r in batch if r.left > 0]

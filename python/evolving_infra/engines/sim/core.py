@@ -510,9 +510,7 @@ class EngineCore:
         else:  # its own KV: no transfer, but not inside the node's callback either
             self.env.at(self.env.now, self._arrive, req)
 
-    def span_done(
-        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
-    ) -> None:
+    def span_done(self, tokens: int) -> None:
         for r in self.node.batch:
             live = self._by_sim.get(r.id)
             if live is not None:

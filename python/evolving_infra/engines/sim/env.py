@@ -49,9 +49,7 @@ class EngineHooks(Protocol):
     def decode_reserved(self, req: SimRequest) -> None: ...
     def next_hashes(self, req: SimRequest) -> list[int] | None: ...
     def changed(self, node: Node) -> None: ...
-    def span_done(
-        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
-    ) -> None: ...
+    def span_done(self, tokens: int) -> None: ...
 
 
 class RealTimeEnv:
@@ -152,10 +150,8 @@ class RealTimeEnv:
     def prefilled(self, req: SimRequest) -> None:
         self.hooks.prefilled(req)
 
-    def span_done(
-        self, batch: int, iterations: int, seconds: float, context: float, tokens: int
-    ) -> None:
-        self.hooks.span_done(batch, iterations, seconds, context, tokens)
+    def span_done(self, tokens: int) -> None:
+        self.hooks.span_done(tokens)
 
     def decoded(self, req: SimRequest) -> None:
         self.hooks.decoded(req)
