@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
+from evolving_infra.planner.reuse import Reuse
 from evolving_infra.timing.model import IterationModel
 
+T = TypeVar("T")
 SwitchMode = Literal["in-place-keep", "in-place-drop", "restart"]
 
 
@@ -81,13 +83,20 @@ class SliceStats:
     # turns a few uncached tokens over a long cached prefix, so the mean request's attention
     # (mean uncached x mean cached) is about twice the mean of theirs on Claude Code.
     arrivals: tuple[tuple[int, int], ...] = ()
+    # The same arrivals' reusable prefixes by age (`reuse.Reuse`, one per arrival; empty when
+    # the driver tracks none): how a split with another cache would have served them.
+    arrival_reuse: tuple[Reuse, ...] = ()
+    # Decode nodes up, averaged over the slice's samples (0: no samples): the cache that
+    # `arrival_reuse`'s cached tokens were found in.
+    mean_decode_nodes: float = 0.0
 
 
 ARRIVAL_SAMPLE = 64
 
 
-def thin(items: Sequence[tuple[int, int]], k: int = ARRIVAL_SAMPLE) -> tuple[tuple[int, int], ...]:
-    """At most `k` of `items`, evenly spaced (all of them when there are no more)."""
+def thin(items: Sequence[T], k: int = ARRIVAL_SAMPLE) -> tuple[T, ...]:
+    """At most `k` of `items`, evenly spaced (all of them when there are no more; the same
+    positions for any two sequences of one length)."""
     n = len(items)
     if n <= k:
         return tuple(items)

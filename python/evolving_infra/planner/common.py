@@ -83,6 +83,9 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
     last = max(slices, key=lambda s: s.end)
     requests = sum(s.requests for s in slices)
     prompt = sum(s.prompt_tokens for s in slices)
+    ordered = sorted(slices, key=lambda s: s.start)
+    # Reuse records only when every slice has one per arrival (thinned at the same positions).
+    tracked = all(len(s.arrival_reuse) == len(s.arrivals) for s in slices)
     return SliceStats(
         start=min(s.start for s in slices),
         end=max(s.end for s in slices),
@@ -113,7 +116,9 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         max_decode_kv_requests=last.max_decode_kv_requests,
         min_decode_kv_demand=last.min_decode_kv_demand,
         decode_kv_capacity_tokens=last.decode_kv_capacity_tokens,
-        arrivals=thin([a for s in sorted(slices, key=lambda s: s.start) for a in s.arrivals]),
+        arrivals=thin([a for s in ordered for a in s.arrivals]),
+        arrival_reuse=thin([r for s in ordered for r in s.arrival_reuse]) if tracked else (),
+        mean_decode_nodes=avg([s.mean_decode_nodes for s in slices], dur),
     )
 
 

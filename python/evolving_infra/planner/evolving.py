@@ -71,6 +71,7 @@ from evolving_infra.planner.common import (
     rebin,
 )
 from evolving_infra.planner.hits import SplitMemory
+from evolving_infra.planner.reuse import SliceReuse, retention_scale
 from evolving_infra.planner.throughput import SliceDemand, split_rate
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
@@ -87,6 +88,8 @@ class Evaluation:
     mean_gain: float  # mean relative per-slice gain of the target over the current split
     p_value: float  # one-sided paired t-test of the gains
     gain_now: float  # the gains' least-squares line one slice past the latest (rule 4)
+    # Mean Θ of every candidate, requests/s, by prefill nodes 1..N-1 (for logs and plots).
+    thetas: tuple[float, ...] = ()
 
 
 class EvolvingPlanner(PlannerGate):
@@ -152,12 +155,17 @@ class EvolvingPlanner(PlannerGate):
         times = np.array([(s.start + s.end) / 2 for s, _ in kept])
         kv = self._kv_tokens(model)
         xs = np.arange(1, n)  # prefill nodes of each candidate
-        # μ_P per slice at each candidate's loss of cached blocks (`hits`); one row per distinct
-        # loss: untried candidates share one.
+        # μ_P per slice at each candidate's loss of cached blocks (`hits`) and cache (`reuse`).
         losses = self.memory.losses([int(x) for x in xs])
         factors = [1.0 if f is None else f for f in losses]
-        rows = {f: self._prefill_rates(model, kept, f) for f in set(factors)}
-        mu_p = np.stack([rows[f] for f in factors], axis=1)  # (slices, candidates)
+        reuse = [_reuse_model(s) for s, _ in kept]
+        mu_p = np.stack(
+            [
+                self._prefill_rates(model, kept, reuse, f, int(n - x))
+                for f, x in zip(factors, xs, strict=True)
+            ],
+            axis=1,
+        )  # (slices, candidates)
         theta = np.empty_like(mu_p)
         for i, m in enumerate(mix):
             demand = self._demand(model, m)  # the same for every candidate but its μ_P
@@ -179,6 +187,7 @@ class EvolvingPlanner(PlannerGate):
             mean_gain=float(gains.mean()),
             p_value=_one_sided_p(gains),
             gain_now=_line_at(times, gains, float(times.max()) + self.window_s / self.slices),
+            thetas=tuple(float(t) for t in mean_theta),
         )
 
     def _demand(self, model: IterationModel, m: MeanRequest, mu_p: float = 0.0) -> SliceDemand:
@@ -202,15 +211,22 @@ class EvolvingPlanner(PlannerGate):
         self,
         model: IterationModel,
         kept: Sequence[tuple[SliceStats, MeanRequest]],
+        reuse: Sequence[tuple[SliceReuse, float] | None],
         loss: float,
+        decode_nodes: int,
     ) -> npt.NDArray[np.float64]:
-        """μ_P of each slice with `loss` times its estimated uncached tokens: its sampled
-        arrivals batched as a prefill node would (`common.packed_prefill_rate`), or its mean
-        request when the driver sampled none."""
+        """μ_P of each slice at a candidate with `decode_nodes` decode nodes: its sampled
+        arrivals with the cache that split would keep (`reuse.SliceReuse`, where the slice lost
+        reuse) and `loss` times their uncached tokens, batched as a prefill node would
+        (`common.packed_prefill_rate`); the mean request when the driver sampled none."""
         out = []
-        for s, m in kept:
+        for (s, m), r in zip(kept, reuse, strict=True):
             if s.arrivals:
-                lost = [_lose(u, c, loss) for u, c in s.arrivals]
+                arrivals: Sequence[tuple[int, int]] = s.arrivals
+                if r is not None:
+                    model_of, ran_with = r
+                    arrivals = model_of.at(retention_scale(decode_nodes, ran_with))
+                lost = [_lose(u, c, loss) for u, c in arrivals]
                 out.append(packed_prefill_rate(model, lost, self.chunk_tokens))
                 continue
             u, c = _lose(m.uncached, m.cached, loss)
@@ -260,6 +276,15 @@ class EvolvingPlanner(PlannerGate):
         if model.deployment is None:
             raise ValueError("kv_capacity_tokens is needed when the model has no deployment")
         return kv_capacity_tokens(model.deployment)
+
+
+def _reuse_model(s: SliceStats) -> tuple[SliceReuse, float] | None:
+    """The slice's reuse model and the decode nodes it ran with; None when it tracked no reuse
+    or lost none (every candidate keeps the estimate)."""
+    if not s.arrival_reuse or s.mean_decode_nodes <= 0:
+        return None
+    m = SliceReuse.of(s.arrivals, s.arrival_reuse)
+    return None if m is None else (m, s.mean_decode_nodes)
 
 
 def _lose(uncached: float, cached: float, loss: float) -> tuple[float, float]:

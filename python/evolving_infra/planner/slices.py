@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from evolving_infra.planner.base import SliceStats, thin
+from evolving_infra.planner.reuse import Reuse, ReuseTracker
 from evolving_infra.routing.base import Phase
 
 
@@ -40,17 +41,23 @@ class NodeSample:
 
 
 class Slices:
-    """Accumulates the current slice; `close` turns it into a `SliceStats`."""
+    """Accumulates the current slice; `close` turns it into a `SliceStats`. With
+    `block_tokens` (the drivers' page size) it also tracks how long ago each arrival's
+    reusable prefix was last in a prompt (`reuse.ReuseTracker`), which arrivals then pass
+    their block hashes for."""
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, block_tokens: int | None = None) -> None:
         self.window_s = window_s
         self.window: deque[SliceStats] = deque()
+        self.reuse = ReuseTracker(block_tokens) if block_tokens is not None else None
         self._reset(0.0)
 
     def _reset(self, start: float) -> None:
         self.start = start
         self.requests = self.prompt = self.uncached = self.cached = self.output = 0
         self.arrived: list[tuple[int, int]] = []  # (uncached, cached) of every arrival
+        self.arrived_reuse: list[Reuse] = []  # their reusable prefixes, when tracked
+        self.decode_nodes_sum = 0  # Σ over samples of the decode nodes up
         self.prefills = self.prefilled_prompt = self.prefilled_uncached = 0
         self.samples = 0
         self.batch_sum = 0.0  # Σ over samples of the mean batch per decode node
@@ -70,7 +77,13 @@ class Slices:
         self.min_kv_demand = 0.0  # at the last sample: the emptiest decode node's KV demand
         self.decode_kv_capacity = 0
 
-    def arrival(self, prompt: int, uncached: int, cached: int) -> None:
+    def arrival(
+        self, prompt: int, uncached: int, cached: int, hashes: Sequence[int] = (), now: float = 0.0
+    ) -> None:
+        """A request arrived at `now`, its prompt estimated `uncached` + `cached` when placed;
+        `hashes`: its blocks', for the reuse tracker (ignored without one)."""
+        if self.reuse is not None:
+            self.arrived_reuse.append(self.reuse.observe(now, hashes))
         self.requests += 1
         self.prompt += prompt
         self.uncached += uncached
@@ -138,6 +151,7 @@ class Slices:
         decode node with the least / most KV tokens, scheduled plus queued (ties: the fewer /
         more requests, then the first node)."""
         self.samples += 1
+        self.decode_nodes_sum += decode_nodes
         self.max_queued_prefill = max_queued_prefill_tokens
         self.max_kv_demand = max_kv_demand
         self.min_prefill_queue_s = min_prefill_queue_s
@@ -183,6 +197,8 @@ class Slices:
             min_decode_kv_demand=self.min_kv_demand,
             decode_kv_capacity_tokens=self.decode_kv_capacity,
             arrivals=thin(self.arrived),
+            arrival_reuse=thin(self.arrived_reuse),
+            mean_decode_nodes=self.decode_nodes_sum / self.samples if self.samples else 0.0,
         )
         self.window.append(s)
         while self.window and self.window[0].end <= now - self.window_s:

@@ -365,7 +365,9 @@ class PdDispatcher:
         self.loads.add_decode(d.node, place.decode_blocks, len(req.token_ids), prompt)
         if self.slices is not None:
             t = len(req.token_ids)
-            self.slices.arrival(t, place.uncached, t - place.uncached)
+            self.slices.arrival(
+                t, place.uncached, t - place.uncached, req.block_hashes, time.monotonic()
+            )
         prefill_open = True
 
         def prefill_done(_: object = None) -> None:

@@ -70,7 +70,7 @@ class LivePlanner:
         self.interval = interval
         self.sample_interval = min(sample_interval, interval)
         self.enabled = enabled
-        self.slices = Slices(window_s)
+        self.slices = Slices(window_s, block_tokens=dispatcher.page_size)
         self.planner = EvolvingPlanner(
             nodes or len(self.clients), interval=interval, window_s=window_s
         )

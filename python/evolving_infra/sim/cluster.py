@@ -112,7 +112,7 @@ class Cluster:
         ]
         self.replay = AgentReplay(trace, self._post_ready)
         self.metrics = Recorder(bs)
-        self.slices = Slices(config.planner_window_s)
+        self.slices = Slices(config.planner_window_s, block_tokens=bs)
         self.planner = planner
         self.switcher: Switcher | None = None
         if planner is not None:
@@ -298,7 +298,7 @@ class Cluster:
         u, c = (node.hold if hold else node.enqueue)(req, self.now, match)
         self._dirty.add(p)
         if first:
-            self.slices.arrival(req.prompt_tokens, u, c)
+            self.slices.arrival(req.prompt_tokens, u, c, req.hashes, self.now)
             if hold:
                 self._route_decode(req)
 
