@@ -16,6 +16,7 @@ class OneSwitch:
 
     name = "one-switch"
     interval = 10.0
+    reads_reuse = False
 
     def __init__(self, mode: SwitchMode, target: Split, when: float = 30.0) -> None:
         self.switch_mode: SwitchMode = mode

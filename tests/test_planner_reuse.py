@@ -108,7 +108,7 @@ def slice_arrivals() -> tuple[list[tuple[int, int]], list[Reuse]]:
 
 def test_the_retention_time_explains_what_was_found() -> None:
     arrivals, rs = slice_arrivals()
-    m = SliceReuse.of(arrivals, rs)
+    m = SliceReuse.of(arrivals, rs, 5.0)
     assert m is not None
     found = found_share([c for _, c in arrivals], rs)
     assert m.share(1.0) == pytest.approx(found, rel=1e-6)
@@ -116,13 +116,13 @@ def test_the_retention_time_explains_what_was_found() -> None:
 
 def test_nothing_lost_says_nothing_about_a_smaller_cache() -> None:
     rs = [reuse((8000, 500.0))] * 4
-    assert SliceReuse.of([(2000, 8000)] * 4, rs) is None
+    assert SliceReuse.of([(2000, 8000)] * 4, rs, 5.0) is None
     assert FULL_REUSE < 1.0
 
 
 def test_another_cache_moves_cached_tokens_by_the_kept_share() -> None:
     arrivals, rs = slice_arrivals()
-    m = SliceReuse.of(arrivals, rs)
+    m = SliceReuse.of(arrivals, rs, 5.0)
     assert m is not None
     ideal = sum(r.tokens for r in rs)
     assert m.at(1.0) == arrivals
@@ -137,7 +137,7 @@ def test_another_cache_moves_cached_tokens_by_the_kept_share() -> None:
 
 def test_mismatched_records_are_refused() -> None:
     with pytest.raises(ValueError, match="reuse records"):
-        SliceReuse.of([(1, 1)], [])
+        SliceReuse.of([(1, 1)], [], 5.0)
 
 
 # -- the accumulator and the planner ------------------------------------------------------------

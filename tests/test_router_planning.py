@@ -33,6 +33,7 @@ class FixedTarget:
     name = "fixed"
     interval = 1.0
     switch_mode: SwitchMode = "in-place-keep"
+    reads_reuse = False
 
     def __init__(self, target: Split) -> None:
         self.target = target

@@ -107,6 +107,9 @@ class Planner(Protocol):
     name: str
     interval: float  # seconds between decisions
     switch_mode: SwitchMode
+    # Whether `decide` reads `SliceStats.arrival_reuse`: the driver tracks each arrival's
+    # reusable prefix (`reuse.ReuseTracker`, a dict update per arrival) only for one that does.
+    reads_reuse: bool
 
     def decide(
         self,

@@ -29,6 +29,8 @@ class PlannerGate:
     nodes (the split it is handed is still the old one), and a ±1 planner would step twice.
     """
 
+    reads_reuse = False  # `Planner.reads_reuse`
+
     def __init__(self) -> None:
         self.in_flight = False
 

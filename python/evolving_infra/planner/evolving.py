@@ -71,7 +71,7 @@ from evolving_infra.planner.common import (
     rebin,
 )
 from evolving_infra.planner.hits import SplitMemory
-from evolving_infra.planner.reuse import SliceReuse, retention_scale
+from evolving_infra.planner.reuse import SliceReuse
 from evolving_infra.planner.throughput import SliceDemand, split_rate
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
@@ -98,6 +98,7 @@ class EvolvingPlanner(PlannerGate):
 
     name = "evolving"
     switch_mode: SwitchMode = "in-place-keep"
+    reads_reuse = True  # the reuse model (`planner/reuse.py`)
 
     def __init__(
         self,
@@ -211,7 +212,7 @@ class EvolvingPlanner(PlannerGate):
         self,
         model: IterationModel,
         kept: Sequence[tuple[SliceStats, MeanRequest]],
-        reuse: Sequence[tuple[SliceReuse, float] | None],
+        reuse: Sequence[SliceReuse | None],
         loss: float,
         decode_nodes: int,
     ) -> npt.NDArray[np.float64]:
@@ -222,10 +223,7 @@ class EvolvingPlanner(PlannerGate):
         out = []
         for (s, m), r in zip(kept, reuse, strict=True):
             if s.arrivals:
-                arrivals: Sequence[tuple[int, int]] = s.arrivals
-                if r is not None:
-                    model_of, ran_with = r
-                    arrivals = model_of.at(retention_scale(decode_nodes, ran_with))
+                arrivals = s.arrivals if r is None else r.on(decode_nodes)
                 lost = [_lose(u, c, loss) for u, c in arrivals]
                 out.append(packed_prefill_rate(model, lost, self.chunk_tokens))
                 continue
@@ -278,13 +276,12 @@ class EvolvingPlanner(PlannerGate):
         return kv_capacity_tokens(model.deployment)
 
 
-def _reuse_model(s: SliceStats) -> tuple[SliceReuse, float] | None:
-    """The slice's reuse model and the decode nodes it ran with; None when it tracked no reuse
-    or lost none (every candidate keeps the estimate)."""
+def _reuse_model(s: SliceStats) -> SliceReuse | None:
+    """The slice's reuse model; None when it tracked no reuse or lost none (every candidate
+    keeps the estimate)."""
     if not s.arrival_reuse or s.mean_decode_nodes <= 0:
         return None
-    m = SliceReuse.of(s.arrivals, s.arrival_reuse)
-    return None if m is None else (m, s.mean_decode_nodes)
+    return SliceReuse.of(s.arrivals, s.arrival_reuse, s.mean_decode_nodes)
 
 
 def _lose(uncached: float, cached: float, loss: float) -> tuple[float, float]:

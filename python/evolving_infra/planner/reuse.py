@@ -19,7 +19,7 @@ beyond; a hard threshold at the same mean moved a sixth of what the splits reall
 since the tokens it moves are mostly lost already). The planner finds each slice's τ, the one
 at which the expected kept tokens equal what the placements found cached (`SliceReuse.of`), scales
 it by the decode nodes a candidate has over the ones the slice ran with, to a power
-(`retention_scale`: the decode nodes' caches hold the reused turns, above, and the prefill
+(`SliceReuse.on`: the decode nodes' caches hold the reused turns, above, and the prefill
 nodes' a copy of the prompts), and scales the arrivals' cached or lost tokens by the
 ratio of the two kept shares (`SliceReuse.at`). Fitted at one split of those runs and read at the
 other two, the kept share was off by at most 0.015 on average over 10-minute windows (the
@@ -116,37 +116,54 @@ def _same_bin(a: float, b: float) -> bool:
 
 class SliceReuse:
     """One slice's sampled arrivals and their reusable prefixes, with the retention time τ of
-    the cache they met (`of`); `at` serves them from a cache holding `scale` times as long."""
+    the cache they met, on `decode_nodes` decode nodes (`of`); `at` serves them from a cache
+    holding `scale` times as long, `on` from the cache of a split with other decode nodes."""
 
     def __init__(
-        self, arrivals: Sequence[tuple[int, int]], reuse: Sequence[Reuse], tau: float, kept: float
+        self,
+        arrivals: Sequence[tuple[int, int]],
+        reuse: Sequence[Reuse],
+        found: float,
+        decode_nodes: float,
     ) -> None:
-        self.arrivals, self.reuse, self.tau, self.kept = arrivals, reuse, tau, kept
+        self.arrivals, self.reuse, self.kept = arrivals, reuse, found
+        self.decode_nodes = decode_nodes
         self._gaps, self._tokens = _flat(reuse)
+        self.tau = _solve(self._gaps, self._tokens, found)
+        # The model's own share at τ: `found`, unless τ sits at the bottom of its range.
+        self._at_tau = self.share(1.0)
 
     @classmethod
-    def of(cls, arrivals: Sequence[tuple[int, int]], reuse: Sequence[Reuse]) -> SliceReuse | None:
-        """The model of a slice, from its arrivals' (uncached, cached) and reusable prefixes;
-        None when they found (nearly) everything reusable cached, or had nothing to reuse:
-        then every candidate keeps the estimate."""
+    def of(
+        cls, arrivals: Sequence[tuple[int, int]], reuse: Sequence[Reuse], decode_nodes: float
+    ) -> SliceReuse | None:
+        """The model of a slice, from its arrivals' (uncached, cached) and reusable prefixes
+        and the decode nodes it ran with; None when they found (nearly) everything reusable
+        cached, or had nothing to reuse: then every candidate keeps the estimate."""
         if len(arrivals) != len(reuse):
             raise ValueError(f"{len(arrivals)} arrivals with {len(reuse)} reuse records")
+        if decode_nodes <= 0:
+            raise ValueError(f"decode_nodes must be > 0, got {decode_nodes}")
         found = found_share([c for _, c in arrivals], reuse)
         if found is None or found >= FULL_REUSE:
             return None
-        gaps, tokens = _flat(reuse)
-        return cls(arrivals, reuse, _solve(gaps, tokens, found), found)
+        return cls(arrivals, reuse, found, decode_nodes)
 
     def share(self, scale: float) -> float:
         """The kept share of the reusable tokens at `scale` times the slice's τ."""
         return _kept(self._gaps, self._tokens, self.tau * scale)
+
+    def on(self, decode_nodes: float) -> list[tuple[int, int]]:
+        """The arrivals' (uncached, cached) on a split with `decode_nodes` decode nodes: τ
+        scaled by their ratio to the slice's, to the power `DECODE_EXPONENT`."""
+        return self.at((decode_nodes / self.decode_nodes) ** DECODE_EXPONENT)
 
     def at(self, scale: float) -> list[tuple[int, int]]:
         """The arrivals' (uncached, cached) at `scale` times the slice's τ: fewer cached tokens
         in proportion to the kept share (scale < 1), or fewer lost ones (scale > 1)."""
         if scale == 1.0:
             return list(self.arrivals)
-        now, then = self.kept, self.share(scale) * self.kept / self.share(1.0)
+        now, then = self.kept, self.share(scale) * self.kept / self._at_tau
         out = []
         for (u, c), r in zip(self.arrivals, self.reuse, strict=True):
             prompt, ideal = u + c, max(r.tokens, c)
@@ -155,12 +172,6 @@ class SliceReuse:
             c2 = round(min(max(c2, 0.0), prompt))
             out.append((prompt - c2, c2))
         return out
-
-
-def retention_scale(decode_nodes: float, ran_with: float) -> float:
-    """How many times as long a split with `decode_nodes` decode nodes keeps a block as one
-    with `ran_with` (`DECODE_EXPONENT`)."""
-    return float((decode_nodes / ran_with) ** DECODE_EXPONENT)
 
 
 def found_share(cached: Sequence[int], reuse: Sequence[Reuse]) -> float | None:

@@ -28,6 +28,7 @@ class StaticPlanner:
     # driver's planner ticks as sparse as the evolving planner's.
     switch_mode: SwitchMode = "in-place-keep"
     interval = 60.0
+    reads_reuse = False
 
     def __init__(self, split: Split) -> None:
         if split.prefill < 1 or split.decode < 1:

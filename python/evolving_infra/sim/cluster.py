@@ -112,7 +112,9 @@ class Cluster:
         ]
         self.replay = AgentReplay(trace, self._post_ready)
         self.metrics = Recorder(bs)
-        self.slices = Slices(config.planner_window_s, block_tokens=bs)
+        # Reuse tracking costs a dict update per arrival: only for a planner that reads it.
+        tracked = planner is not None and planner.reads_reuse
+        self.slices = Slices(config.planner_window_s, block_tokens=bs if tracked else None)
         self.planner = planner
         self.switcher: Switcher | None = None
         if planner is not None:
