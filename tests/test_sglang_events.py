@@ -65,6 +65,12 @@ class Publisher:
         if events:
             self._pub.publish(self._batch(ts=time.time(), events=events))
             self.seq += 1
+            # SGLang's `publish` only queues the batch; its thread sends it and files it in the
+            # replay buffer, and serves replay requests between queued batches. Waiting for the
+            # queue makes "published" mean "in the buffer": otherwise a replay can answer before
+            # the last batches are filed and those go out on PUB before our subscription is in,
+            # and the test would wait for a batch that only the next live one would repair.
+            self._pub._event_queue.join()
         return list(events)
 
     def close(self) -> None:
