@@ -147,7 +147,7 @@ def fixed_service_replay(trace: Trace) -> dict[tuple[str, str, int], float]:
     return issued
 
 
-@pytest.mark.parametrize("which", ["hand-built", "cc", "osworld"])
+@pytest.mark.parametrize("which", ["hand-built", "cc", "osworld", "shift-step"])
 def test_fixed_service_matches_the_nominal_timeline(which: str) -> None:
     trace = (
         small_trace()
@@ -159,6 +159,29 @@ def test_fixed_service_matches_the_nominal_timeline(which: str) -> None:
     assert issued.keys() == expected.keys()
     for key, t in expected.items():
         assert issued[key] == pytest.approx(t, abs=1e-9), key
+
+
+def test_an_agent_starting_after_its_until_is_skipped_and_its_follower_starts_then() -> None:
+    """a ends at 1 + 10/10,000 + 5/40 s; b follows it but may start only until 0.5 s, so it is
+    skipped; c follows b and starts 2 s after a's end (b's would-be start)."""
+    one = (branch("main", BranchKind.ROOT, [req(0.0, [1], 5, end=True)]),)
+    a = Agent(AgentId("a"), "test", "ns-a", one, start=1.0)
+    b = Agent(AgentId("b"), "test", "ns-b", one, follows=AgentId("a"), until=0.5)
+    c = Agent(AgentId("c"), "test", "ns-c", one, start=2.0, follows=AgentId("b"), until=9.0)
+    trace = Trace("phases", BS, (a, b, c))
+    validate(trace)
+    a_end = 1.0 + nominal_service(a.root.requests[0])
+    expected = {("a", "main", 0): 1.0, ("c", "main", 0): a_end + 2.0}
+    assert {(x.agent.id, x.branch, x.index): x.issued for x in trace_timeline(trace)} == (
+        pytest.approx(expected)
+    )
+    assert fixed_service_replay(trace) == pytest.approx(expected)
+    replay = AgentReplay(trace, lambda _t, _r: None)
+    replay.start()
+    assert replay.skipped_agents == 0  # decided when a ends
+    cluster = Cluster(trace, SimConfig(gpus=8, noise=0.0), static(Split(1, 1)))
+    cluster.run()
+    assert cluster.replay.skipped_agents == 1
 
 
 def test_requests_wait_for_their_branch_joins_parents_and_followed_agents() -> None:

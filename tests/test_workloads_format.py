@@ -110,6 +110,8 @@ MALFORMED: dict[str, tuple[str, int, str | None]] = {
     "negative wait": (lines(HEADER, AGENT, ROOT, request(wait=-1)), 4, "wait"),
     "NaN wait": (lines(HEADER, AGENT, ROOT, request(wait=float("nan"))), 4, "wait"),
     "Infinity start": (lines(HEADER, AGENT | {"start": float("inf")}), 2, "start"),
+    "negative until": (lines(HEADER, AGENT | {"until": -1}), 2, "until"),
+    "string until": (lines(HEADER, AGENT | {"until": "10"}), 2, "until"),
     "NaN in meta": (lines(HEADER | {"meta": {"x": [float("nan")]}}), 1, "meta"),
     "unknown agent": (lines(HEADER, AGENT, ROOT, request(agent="b")), 4, "agent"),
     "unknown branch": (lines(HEADER, AGENT, ROOT, request(branch="x")), 4, "branch"),

@@ -104,6 +104,14 @@ def test_valid_and_round_trips(name: str, suffix: str, tmp_path: Path) -> None:
     assert load_trace(path) == trace
 
 
+def test_phases_round_trip(tmp_path: Path) -> None:
+    """A step's phases (`until`, later slot starts) survive the file format."""
+    trace = shift.generate(SMALL, shift.Params(shape="step", step_at=0.4))
+    assert any(a.until for a in trace.agents)
+    save_trace(trace, tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == trace
+
+
 @pytest.mark.parametrize("name", sorted(GENERATORS))
 def test_seeded(name: str) -> None:
     generate = GENERATORS[name]
@@ -306,13 +314,28 @@ def test_shift_linear_moves_from_putnam_to_osworld() -> None:
     assert share(osworld.NAME, 0.8, 1.0) > 0.75
 
 
-def test_shift_step_switches_at_step_at() -> None:
+def test_shift_step_is_two_phases_in_served_time() -> None:
+    """The start mix's slots start no session after the step (`until`, served time), and
+    `after_agents` times as many slots of the end mix start at it, filled to the duration."""
     plan = SlotPlan(agents=20, duration=1800, seed=2)
-    trace = shift.generate(plan, shift.Params(shape="step", step_at=0.3))
-    starts = session_starts(trace).values()
+    trace = shift.generate(plan, shift.Params(shape="step", step_at=0.3, after_agents=1.5))
     switch = 0.3 * plan.duration
-    assert {w for t, w in starts if t < switch} == {putnam.NAME}
-    assert {w for t, w in starts if t >= switch} == {osworld.NAME}
+    before = [a for a in trace.agents if not a.id.startswith("b")]
+    after = [a for a in trace.agents if a.id.startswith("b")]
+    assert {a.workload for a in before} == {putnam.NAME}
+    assert {a.until for a in before} == {switch}
+    assert {a.workload for a in after} == {osworld.NAME}
+    assert {a.until for a in after} == {None}
+    firsts = [a for a in after if a.follows is None]
+    assert len(firsts) == 30
+    assert all(switch <= a.start < switch + 60 for a in firsts)
+    starts = session_starts(trace)
+    # Nominally, the Putnam phase stops at the step and OSWorld runs to the end.
+    assert max(t for a, (t, _) in starts.items() if not a.startswith("b")) < switch + 60
+    assert max(t for a, (t, _) in starts.items() if a.startswith("b")) > 0.9 * plan.duration
+    # The first phase's slots are filled past the step (for a split faster than nominal): the
+    # nominal replay skips those sessions.
+    assert len(before) > sum(not a.startswith("b") for a in starts)
 
 
 def test_shift_step_is_putnam_for_a_third_then_claude_code() -> None:
@@ -320,10 +343,8 @@ def test_shift_step_is_putnam_for_a_third_then_claude_code() -> None:
 
     plan = SlotPlan(agents=20, duration=1800, seed=2)
     trace = generators.generate("shift-step", plan)
-    starts = session_starts(trace).values()
-    switch = plan.duration / 3
-    assert {w for t, w in starts if t < switch} == {putnam.NAME}
-    assert {w for t, w in starts if t >= switch} == {cc_like.NAME}
+    assert {a.workload for a in trace.agents if a.until == plan.duration / 3} == {putnam.NAME}
+    assert {a.workload for a in trace.agents if a.until is None} == {cc_like.NAME}
 
 
 @pytest.mark.parametrize(
@@ -333,6 +354,7 @@ def test_shift_step_is_putnam_for_a_third_then_claude_code() -> None:
         shift.Params(end={"osworld": 0.0}),
         shift.Params(shape="cubic"),
         shift.Params(step_at=1.5),
+        shift.Params(shape="step", after_agents=0.0),
     ],
 )
 def test_shift_rejects_bad_mixes(params: shift.Params) -> None:

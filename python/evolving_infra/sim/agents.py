@@ -2,7 +2,8 @@
 
 The rules are the trace model's (`workloads/model.py`), resolved with real completion times
 instead of `timeline.agent_timeline`'s nominal service: an agent starts at `Agent.start` (after
-the agent it `follows` has finished, if any); its root branch begins `delay` after the agent
+the agent it `follows` has finished, if any), unless that is after its `until` (then it is
+skipped, and those following it start from then); its root branch begins `delay` after the agent
 starts; any other branch begins `delay` after the response to its parent's request `after` (or
 after the parent begins when `after` is None); request i of a branch is ready `wait` seconds
 after the later of the branch's previous response (the first: the branch's beginning) and the
@@ -151,6 +152,7 @@ class AgentReplay:
             if a.follows is not None:
                 self._followers.setdefault(a.follows, []).append(a)
         self.finished_agents = 0
+        self.skipped_agents = 0  # agents whose start fell after their `until`
 
     @property
     def issued_ids(self) -> int:
@@ -202,8 +204,19 @@ class AgentReplay:
     # -- internals ----------------------------------------------------------------------------
 
     def _start_agent(self, st: _AgentState, t: float) -> None:
-        root = st.agent.root
-        self._begin(st, st.branches[root.id], t + root.delay)
+        # A slot past its phase skips the rest of its chain: a loop, not recursion (a chain can
+        # hold hundreds of sessions).
+        pending = [(st, t)]
+        while pending:
+            st, t = pending.pop()
+            if st.agent.until is not None and t > st.agent.until:
+                self.skipped_agents += 1
+                pending.extend(
+                    (self._agents[f.id], t + f.start) for f in self._followers.get(st.agent.id, ())
+                )
+                continue
+            root = st.agent.root
+            self._begin(st, st.branches[root.id], t + root.delay)
 
     def _begin(self, st: _AgentState, bs: _BranchState, t: float) -> None:
         bs.begun = bs.ready = t

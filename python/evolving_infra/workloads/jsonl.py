@@ -7,7 +7,7 @@ out (their defaults below); unknown fields are an error (a typo must not pass si
     {"format": "evolving-infra-trace", "version": 1, "name": str, "block_size": int,
      "prefixes": {name: blocks}?, "meta": {...}?}
     {"type": "agent", "id": str, "workload": str, "namespace": str? (= id), "start": s? (0),
-     "follows": agent id? (null), "prefix": name? (null)}
+     "follows": agent id? (null), "prefix": name? (null), "until": s? (null)}
     {"type": "branch", "agent": id, "id": str, "kind": "root"|"subagent"|"fork",
      "parent": branch id? (null), "after": int? (null), "delay": s? (0)}
     {"type": "request", "agent": id, "branch": id, "wait": s, "prompt_tokens": int,
@@ -50,7 +50,7 @@ from evolving_infra.workloads.model import (
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz")
 _HEADER_KEYS = {"format", "version", "name", "block_size", "prefixes", "meta"}
 _KEYS = {
-    "agent": {"type", "id", "workload", "namespace", "start", "follows", "prefix"},
+    "agent": {"type", "id", "workload", "namespace", "start", "follows", "prefix", "until"},
     "branch": {"type", "agent", "id", "kind", "parent", "after", "delay"},
     "request": {
         *("type", "agent", "branch", "wait", "prompt_tokens", "output_tokens", "keep", "add"),
@@ -85,6 +85,7 @@ def dumps_records(trace: Trace) -> Iterable[dict[str, Any]]:
         _put(rec, "start", a.start, 0.0)
         _put(rec, "follows", a.follows, None)
         _put(rec, "prefix", a.prefix, None)
+        _put(rec, "until", a.until, None)
         yield rec
         by_id = {b.id: b for b in a.branches}
         for b in a.branches:
@@ -245,6 +246,7 @@ class _Reader:
             start=self.opt(rec, "start", _is_seconds, "seconds >= 0", 0.0),
             follows=follows,
             prefix=self.opt(rec, "prefix", _is_str, "a string", None),
+            until=self.opt(rec, "until", _is_seconds, "seconds >= 0", None),
         )
         self.agents[agent_id] = _AgentDraft(agent, self.line)
 
@@ -342,6 +344,7 @@ class _Reader:
                     start=a.agent.start,
                     follows=a.agent.follows,
                     prefix=a.agent.prefix,
+                    until=a.agent.until,
                 )
             )
         trace = Trace(

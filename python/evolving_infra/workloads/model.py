@@ -1,7 +1,10 @@
 """The trace model: agents own branches, a branch is a sequence of LLM requests.
 
 Replay is closed-loop. An agent starts at `Agent.start` (seconds from the trace's start, or after
-the agent it `follows` has finished: one slot running sessions back to back). Its root branch
+the agent it `follows` has finished: one slot running sessions back to back); one whose start falls
+after its `Agent.until` (seconds from the trace's start) does not run, and counts as finished at
+that start for those that follow it (a phase of a workload that ends at a given time, whatever
+the serving speed). Its root branch
 starts with it; any other branch is spawned by its parent: `Branch.delay` seconds after the
 response to the parent's request number `Branch.after` (or after the parent's own start when
 `after` is None). A request is issued `Request.wait` seconds after the previous response of its
@@ -147,6 +150,7 @@ class Agent:
     start: float = 0.0  # seconds from the trace's start, or after `follows` has finished
     follows: AgentId | None = None
     prefix: str | None = None  # name of the shared prefix its requests' `shared` blocks come from
+    until: float | None = None  # it does not start after this time (seconds from trace start)
 
     @property
     def root(self) -> Branch:
@@ -221,6 +225,8 @@ def _validate_agent(trace: Trace, agent: Agent, earlier: set[AgentId]) -> None:
     if agent.id in earlier:
         raise TraceError("id", "duplicate agent id", **where)
     _check_time(agent.start, where, "start")
+    if agent.until is not None:
+        _check_time(agent.until, where, "until")
     if agent.follows is not None and agent.follows not in earlier:
         raise TraceError("follows", f"{agent.follows!r} is not an earlier agent", **where)
     if agent.prefix is not None and agent.prefix not in trace.prefixes:

@@ -32,6 +32,7 @@ def sample_agents(source: Trace, plan: SlotPlan, *, name: str | None = None) -> 
             namespace=f"{drawn.namespace}@{agent}",
             start=t if follows is None else 0.0,
             follows=follows,
+            until=None,  # the source's phases are not the sample's
         )
 
     agents = slot_agents(plan, draw, salt="sample/")

@@ -88,6 +88,9 @@ def trace_timeline(trace: Trace, service: ServiceTime = nominal_service) -> list
     finished: dict[AgentId, float] = {}
     for a in trace.agents:
         start = a.start + (finished[a.follows] if a.follows is not None else 0.0)
+        if a.until is not None and start > a.until:
+            finished[a.id] = start  # skipped: its followers start from here (workloads/model.py)
+            continue
         timed = agent_timeline(a, start, service)
         finished[a.id] = max((x.done for x in timed), default=start)
         out.extend(timed)

@@ -11,7 +11,7 @@ import math
 import random
 from array import array
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from evolving_infra.workloads.errors import WorkloadError
@@ -255,6 +255,15 @@ class SlotPlan:
     duration: float  # seconds: a slot starts no session after this nominal time
     seed: int
     ramp: float | None = None  # slots start uniformly over [0, ramp); None: min(60 s, duration/10)
+    # A phase of a longer run: its slots start `begin` seconds later (over [begin, begin + ramp)),
+    # their sessions carry `until` (none starts after it, in served time: `Agent.until`), and
+    # `phase` prefixes their ids and seeds (phases of one trace neither collide nor share draws).
+    begin: float = 0.0
+    until: float | None = None
+    phase: str = ""
+    # Slots are filled for `fill` times their nominal time (from `begin` to the duration): > 1
+    # where serving may be faster than nominal and the run must not run out of sessions.
+    fill: float = 1.0
 
 
 def slot_agents(
@@ -265,21 +274,30 @@ def slot_agents(
     """The agents of `plan.agents` slots, each running sessions back to back.
 
     `draw(rng, id, t, follows)` makes the session that starts at nominal time t (its `start`
-    and `follows` as given); a slot stops starting sessions once t passes the duration.
+    and `follows` as given); a slot stops starting sessions once t passes the duration. A
+    phase's `until` bounds served time, not nominal time: its slots are still filled to the
+    duration, so that a split faster than nominal does not run out of sessions before it.
     """
     if plan.agents <= 0 or plan.duration <= 0:
         raise WorkloadError("agents and duration must be > 0")
+    if not 0 <= plan.begin < plan.duration:
+        raise WorkloadError(f"a phase begins in [0, duration), got {plan.begin}")
+    if not plan.fill >= 1:
+        raise WorkloadError(f"slots are filled for at least their duration, got fill={plan.fill}")
+    end = plan.begin + plan.fill * (plan.duration - plan.begin)
     ramp = min(60.0, plan.duration / 10) if plan.ramp is None else plan.ramp
     agents: list[Agent] = []
     for slot in range(plan.agents):
         # One generator per slot: adding slots does not change the sessions of the others.
-        rng = random.Random(f"{plan.seed}/{salt}{slot}")
-        t = rng.uniform(0.0, ramp)
+        rng = random.Random(f"{plan.seed}/{salt}{plan.phase}{slot}")
+        t = plan.begin + rng.uniform(0.0, ramp)
         follows: AgentId | None = None
         k = 0
-        while t < plan.duration:
-            agent = draw(rng, AgentId(f"{slot}.{k}"), t, follows)
+        while t < end:
+            agent = draw(rng, AgentId(f"{plan.phase}{slot}.{k}"), t, follows)
             t = max((x.done for x in agent_timeline(agent, t)), default=t)
+            if plan.until is not None:
+                agent = replace(agent, until=plan.until)
             agents.append(agent)
             follows = agent.id
             k += 1
