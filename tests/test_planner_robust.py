@@ -1,6 +1,6 @@
 """The evolving planner on what it was not tuned on (issue 25): a start-up burst that fades, a
-move it would undo on the same evidence, the spread of the requests a prefill node batches, and
-decode KV held through the prefill queue."""
+move it would undo on the same evidence, a mix that shifted within the window, the spread of the
+requests a prefill node batches, and decode KV held through the prefill queue."""
 
 from __future__ import annotations
 
@@ -98,6 +98,34 @@ def test_a_move_is_not_undone_on_the_slices_that_made_it() -> None:
     q = EvolvingPlanner(8)
     q.moved = (600.0, +1)
     assert q.decide(720.0, Split(3, 5), [*before, *after], MODEL) is not None
+
+
+# -- rule 7: a mix that shifted is read on the slices since the shift --------------------------
+
+
+def test_a_shift_moves_on_the_latest_half_of_the_window() -> None:
+    """Five minutes of short prompts with long outputs, then five of long fresh prompts: over
+    the whole window the old mix still weighs most (its best split is decode-heavy, and the
+    gains of either side's best cancel out), but the latest half is the new mix alone, and its
+    gain is significant and holding."""
+    w = [sl(k, 500, 2_000, 2_000) for k in range(5)] + [sl(k, 16_000, 0, 30) for k in range(5, 10)]
+    whole = EvolvingPlanner(8, recent=None)
+    assert whole.decide(600.0, Split(4, 4), w, MODEL) is None
+    assert whole.last is not None
+    assert whole.last.target.prefill < 4  # the whole window's best leans the old way
+    assert whole.last.p_value > whole.alpha
+    p = EvolvingPlanner(8)
+    target = p.decide(600.0, Split(4, 4), w, MODEL)
+    assert target is not None
+    assert target.prefill > 4
+    assert p.last is not None
+    assert p.last.slices == 5  # decided on the latest half
+    assert p.last.p_value < p.alpha
+    # Only the latest two minutes new: too few slices since the shift (min_slices), no move.
+    late = [sl(k, 500, 2_000, 2_000) for k in range(8)] + [sl(k, 16_000, 0, 30) for k in (8, 9)]
+    assert EvolvingPlanner(8).decide(600.0, Split(4, 4), late, MODEL) is None
+    with pytest.raises(ValueError, match="recent"):
+        EvolvingPlanner(8, recent=1.0)
 
 
 # -- μ_P from the requests a prefill node batches -----------------------------------------------

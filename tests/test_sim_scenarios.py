@@ -14,6 +14,7 @@ from evolving_infra.sim import claims, heldout, scenario_command
 from evolving_infra.sim.claims import holds_on_held_out
 from evolving_infra.sim.policies import ABLATIONS, PolicySpec
 from evolving_infra.sim.scenarios import LEVELS_BY_DEPLOYMENT, SCENARIOS, Size
+from evolving_infra.timing.specs import PAPER_DEPLOYMENT
 from evolving_infra.workloads.errors import WorkloadError
 
 
@@ -46,6 +47,17 @@ def test_levels_order_the_load() -> None:
         agents = [SCENARIOS[f"{kind}-{lv}"].runs(Size())[0].workload.agents for lv in LEVELS]
         assert agents == sorted(agents)
         assert len(set(agents)) == 3
+
+
+def test_the_shift_on_the_papers_deployment_is_a_step_in_served_time() -> None:
+    """The linear 60-agent shift loads the paper's deployment lightly at both ends; there the
+    scenario (and the ablations' shift) runs `shift-step` at Putnam's high level."""
+    paper = Size(deployment=PAPER_DEPLOYMENT)
+    for name in ("shift", "ablations"):
+        (w,) = {r.workload for r in SCENARIOS[name].runs(paper) if r.label.startswith("shift")}
+        assert (w.kind, w.agents) == ("shift-step", 200)
+        (h100,) = {r.workload for r in SCENARIOS[name].runs(Size()) if r.label.startswith("shift")}
+        assert (h100.kind, h100.agents) == ("shift", 60)
 
 
 def test_initial_splits_start_where_named() -> None:

@@ -338,13 +338,15 @@ def test_shift_step_is_two_phases_in_served_time() -> None:
     assert len(before) > sum(not a.startswith("b") for a in starts)
 
 
-def test_shift_step_is_putnam_for_a_third_then_claude_code() -> None:
-    from evolving_infra.workloads.generators import cc_like
-
+def test_shift_step_is_putnam_for_a_quarter_then_more_osworld() -> None:
     plan = SlotPlan(agents=20, duration=1800, seed=2)
     trace = generators.generate("shift-step", plan)
-    assert {a.workload for a in trace.agents if a.until == plan.duration / 3} == {putnam.NAME}
-    assert {a.workload for a in trace.agents if a.until is None} == {cc_like.NAME}
+    putnam_slots = {a.id for a in trace.agents if a.follows is None and a.until == 450}
+    osworld_slots = {a.id for a in trace.agents if a.follows is None and a.until is None}
+    assert len(putnam_slots) == 20
+    assert len(osworld_slots) == 30
+    assert {a.workload for a in trace.agents if a.until == 450} == {putnam.NAME}
+    assert {a.workload for a in trace.agents if a.until is None} == {osworld.NAME}
 
 
 @pytest.mark.parametrize(

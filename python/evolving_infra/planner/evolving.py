@@ -43,7 +43,15 @@ Rule, every `interval` (60 s) over a `window_s` (600 s) window cut into `slices`
    the test should have seen coming);
 6. move at most `max_step` nodes. Default: the whole gap. The switch keeps the KV in place
    (6.2 s per node, docs/simulator.md) and the test already guards against noise, so stepping
-   one node per minute would only hold a known-better split back; set `max_step=1` to creep.
+   one node per minute would only hold a known-better split back; set `max_step=1` to creep;
+7. when rules 1-5 keep the split on the whole window, they are applied again to its latest
+   `recent` (half) alone. After a shift of the mix, the whole window mixes the two: the old
+   slices pull the best mean Θ toward the old mix's split and their negative gains fail the
+   t-test, so a 10-minute window alone moved 6-8 minutes after the mix had changed (Putnam to
+   OSWorld on the paper's deployment: 1P8D held until 480 s after the step, then 2P7D and
+   4P5D 5 minutes apart). The latest half is a test of its own on fewer slices, not a
+   looser one: a burst within it is one slice among five (a large variance, no move), a
+   fading one fails rule 4, and `min_slices` still holds.
 
 While a switch is in flight (until `switch_done()`), no decision is made.
 """
@@ -116,12 +124,15 @@ class EvolvingPlanner(PlannerGate):
         max_decode_batch: int = MAX_DECODE_BATCH,
         memory: SplitMemory | None = None,
         early_allocation: bool = True,
+        recent: float | None = 0.5,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
             raise ValueError("need nodes_total >= 2, slices >= 2, 0 < alpha < 1, min_slices >= 2")
         if max_step is not None and max_step < 1:
             raise ValueError("max_step must be >= 1 (None: the whole gap)")
+        if recent is not None and not 0 < recent < 1:
+            raise ValueError("recent must be in (0, 1) (None: the whole window only)")
         self.nodes_total = nodes_total
         self.interval = float(interval)
         self.window_s = float(window_s)
@@ -137,6 +148,7 @@ class EvolvingPlanner(PlannerGate):
         # The decode engines reserve a request's KV at dispatch (SGLang's default, "early"),
         # not once its prefill is done: decode KV is then held through the prefill.
         self.early_allocation = early_allocation
+        self.recent = recent
         self.last: Evaluation | None = None
         # The last move asked for: when, and +1 towards prefill or -1 towards decode (rule 5).
         self.moved: tuple[float, int] | None = None
@@ -237,28 +249,41 @@ class EvolvingPlanner(PlannerGate):
         self.memory.note(now, split, window, switching=self.in_flight)
         if self.in_flight:
             return None
-        ev = self.last = self.evaluate(now, split, window, model)
-        if ev is None or ev.target == split:
+        self.last, ev = self._move(now, split, window, model)
+        if ev is None and self.recent is not None:  # rule 7: the mix may have shifted
+            recent = [s for s in window if s.start >= now - self.recent * self.window_s]
+            _, ev = self._move(now, split, recent, model)
+            if ev is not None:
+                self.last = ev
+        if ev is None:
             return None
         direction = 1 if ev.target.prefill > split.prefill else -1
-        if self.moved is not None:
-            at, last = self.moved
-            if direction != last and at > now - self.window_s:  # rule 5: since the move only
-                since = [s for s in window if s.start >= at]
-                ev = self.last = self.evaluate(now, split, since, model)
-                if (
-                    ev is None
-                    or ev.target == split
-                    or (ev.target.prefill > split.prefill) != (direction > 0)
-                ):
-                    return None
-        if not self._significant(ev):
-            return None
         move = ev.target.prefill - split.prefill
         if self.max_step is not None:
             move = max(-self.max_step, min(self.max_step, move))
         self.moved = (now, direction)
         return self._propose(split, Split(split.prefill + move, split.decode - move))
+
+    def _move(
+        self, now: float, split: Split, window: Sequence[SliceStats], model: IterationModel
+    ) -> tuple[Evaluation | None, Evaluation | None]:
+        """Rules 1-5 on these slices: (the last evaluation made, the one to move on or None)."""
+        ev = self.evaluate(now, split, window, model)
+        if ev is None or ev.target == split:
+            return ev, None
+        direction = 1 if ev.target.prefill > split.prefill else -1
+        if self.moved is not None:
+            at, last = self.moved
+            if direction != last and at > now - self.window_s:  # rule 5: since the move only
+                since = [s for s in window if s.start >= at]
+                ev = self.evaluate(now, split, since, model)
+                if (
+                    ev is None
+                    or ev.target == split
+                    or (ev.target.prefill > split.prefill) != (direction > 0)
+                ):
+                    return ev, None
+        return ev, ev if self._significant(ev) else None
 
     def _significant(self, ev: Evaluation) -> bool:
         """Rules 3 and 4: a significant mean gain, large enough, that persists."""

@@ -101,6 +101,9 @@ PAPER_LEVELS: dict[str, dict[str, int]] = {
 }
 LEVELS_BY_DEPLOYMENT = {"h100-llama": LEVELS, "paper": PAPER_LEVELS}
 SHIFT_AGENTS = 60  # between Putnam's and OSWorld's capacities: both ends load the cluster
+# On the paper's deployment the shift is `shift-step`: 200 Putnam agents (its high level), then
+# 300 OSWorld ones, a step in served time at a quarter (generators/shift_step.py says why).
+SHIFT_STEP_AGENTS = 200
 # Claude Code agents per GPU at the "mid" level, kept at every scale (100 on 36 H100s; the paper
 # deployment's, 150 on 36, on it).
 MID_AGENTS_PER_GPU = LEVELS["cc"]["mid"] / 36
@@ -231,11 +234,17 @@ def _level(kind: str, level: str) -> Callable[[Size], list[ScenarioRun]]:
     return build
 
 
+def _shift_workload(size: Size, gpus: int, duration: float) -> Workload:
+    if deployment_name(size.deployment) == "paper":
+        return Workload("shift-step", size.agents(SHIFT_STEP_AGENTS * gpus / 36), duration)
+    return Workload("shift", size.agents(SHIFT_AGENTS * gpus / 36), duration)
+
+
 def _shift(size: Size) -> list[ScenarioRun]:
     gpus = QUICK_GPUS if size.quick else 36
     # The mix needs time to move and the planner 3+ one-minute slices to see each phase.
     d = size.seconds(FULL_DURATION, 900.0)
-    w = Workload("shift", size.agents(SHIFT_AGENTS * gpus / 36), d)
+    w = _shift_workload(size, gpus, d)
     cfg = _config(gpus, size, d)
     fast = dataclasses.replace(cfg, switch_restart_s=RESTART_ALT_S)
     return [
@@ -305,7 +314,7 @@ def _ablations(size: Size) -> list[ScenarioRun]:
     workloads = {
         "cc-mid": Workload(CLAUDE_CODE, size.agents(mid["cc"] * gpus / 36), d),
         "osworld-mid": Workload("osworld", size.agents(mid["osworld"] * gpus / 36), d),
-        "shift": Workload("shift", size.agents(SHIFT_AGENTS * gpus / 36), d),
+        "shift": _shift_workload(size, gpus, d),
     }
     return [ScenarioRun(label, w, cfg, policies) for label, w in workloads.items()]
 
@@ -368,7 +377,8 @@ def _scenarios() -> dict[str, Scenario]:
             )
     out["shift"] = Scenario(
         "shift",
-        "a mix moving from Putnam to OSWorld: does each policy follow the best split?",
+        "a mix moving from Putnam to OSWorld: does each policy follow the best split? (on the"
+        " paper's deployment a step in served time: 200 Putnam agents, then 300 OSWorld)",
         "evolving's throughput >= best static and above Dynamo and Arrow when the mix shifts",
         "~1 min / ~10 s",
         _shift,

@@ -2,7 +2,7 @@
 
 `putnam` (math proving), `osworld` (computer use), `cc_like` (Claude Code sessions fitted to the
 real traces), `shift` (a mix whose composition changes over time) and `shift_step` (Putnam, then
-Claude Code: a shift whose best split moves). Each module documents its
+more OSWorld agents, in served time: a shift whose best split moves). Each module documents its
 parameters and their sources and offers `session(params) -> Session` (one agent session on an
 `AgentBuilder`) and `generate(plan, params=None) -> Trace`; `common` holds the builder and the
 slot filling they share. `generate(name, plan)` runs one by its CLI name.
