@@ -33,7 +33,7 @@ from evolving_infra.replay.client import (
 )
 from evolving_infra.replay.prompts import PromptTokens
 from evolving_infra.replay.runner import Replayer, ReplaySettings, scale_time
-from evolving_infra.replay.summary import IdealCache, Outcome, summarize
+from evolving_infra.replay.summary import Outcome, summarize
 from evolving_infra.router import api as router_api
 from evolving_infra.router import branches as router_branches
 from evolving_infra.workloads.blocks import PromptHasher, chain_hashes
@@ -48,7 +48,7 @@ from evolving_infra.workloads.model import (
     Trace,
     validate,
 )
-from evolving_infra.workloads.stats import trace_stats
+from evolving_infra.workloads.stats import IdealCache, trace_stats
 from evolving_infra.workloads.timeline import trace_timeline
 
 CLAUDE_CODE = Path(__file__).resolve().parent.parent / "data" / "traces" / "claude-code"
@@ -180,6 +180,20 @@ def test_ideal_cache_is_trace_stats_h_star() -> None:
     for x in trace_timeline(trace):
         cache.add(hasher.hashes(x.agent, branches[(x.agent.id, x.branch)], x.request))
     assert cache.rate == trace_stats(trace).ideal_hit_rate
+
+
+def test_ideal_cache_bisects_chained_ids_and_scans_raw_ones() -> None:
+    """Chained ids: the seen blocks are a prefix, found by bisection. Raw ids: a block seen
+    before after an unseen one is no hit (the scan stops at the first miss)."""
+    chained = IdealCache()
+    assert chained.add([1, 2, 3]) == 0
+    assert chained.add([1, 2, 4, 5]) == 2
+    assert (chained.hits, chained.blocks, chained.rate) == (2, 7, 2 / 7)
+    raw = IdealCache(chained=False)
+    assert raw.add([1, 2, 3]) == 0
+    assert raw.add([9, 2, 3]) == 0
+    assert raw.add([1, 2, 3, 9]) == 4
+    assert IdealCache().rate is None
 
 
 def test_scale_time_divides_waits_and_delays() -> None:

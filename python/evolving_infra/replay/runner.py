@@ -45,9 +45,10 @@ import structlog
 
 from evolving_infra.replay import client
 from evolving_infra.replay.prompts import PromptTokens
-from evolving_infra.replay.summary import IdealCache, Outcome, Summary, summarize
+from evolving_infra.replay.summary import Outcome, Summary, summarize
 from evolving_infra.sim.agents import AgentReplay, SimRequest
 from evolving_infra.workloads.model import BranchKind, Trace
+from evolving_infra.workloads.stats import IdealCache
 
 log = structlog.get_logger(__name__)
 

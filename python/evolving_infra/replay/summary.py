@@ -44,27 +44,6 @@ class Outcome:
         return cls(ok=False, reason=reason, e2e=e2e)
 
 
-class IdealCache:
-    """h* as `workloads.stats` defines it: one infinite cache, requests in issue order."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.hits = 0
-        self.blocks = 0
-
-    def add(self, hashes: Sequence[int]) -> None:
-        k = 0
-        while k < len(hashes) and hashes[k] in self.seen:
-            k += 1
-        self.seen.update(hashes)
-        self.hits += k
-        self.blocks += len(hashes)
-
-    @property
-    def rate(self) -> float | None:
-        return self.hits / self.blocks if self.blocks else None
-
-
 @dataclass(slots=True)
 class Summary:
     agents: int

@@ -32,29 +32,7 @@ import numpy as np
 
 from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.planning import SwitchLog
-
-
-class IdealCache:
-    """h*: prompt blocks seen in any earlier prompt (one infinite shared cache)."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.blocks = 0
-        self.hits = 0
-
-    def add(self, hashes: list[int]) -> int:
-        seen = self.seen
-        lo, hi = 0, len(hashes)
-        while lo < hi:  # the seen blocks are a prefix of the chain (see the module docstring)
-            mid = (lo + hi) // 2
-            if hashes[mid] in seen:
-                lo = mid + 1
-            else:
-                hi = mid
-        seen.update(hashes[lo:])
-        self.blocks += len(hashes)
-        self.hits += lo
-        return lo
+from evolving_infra.workloads.stats import IdealCache
 
 
 @dataclass(slots=True)

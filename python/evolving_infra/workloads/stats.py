@@ -141,26 +141,54 @@ def percentile(ordered: Sequence[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-class _IdealCache:
-    """One infinite cache: the leading blocks of a prompt that were all seen before."""
+class IdealCache:
+    """h*'s one infinite cache: a prompt hits its leading blocks that were all seen before.
 
-    def __init__(self) -> None:
+    The one definition of h* for `trace stats`, the simulator (`sim/metrics.py`) and the live
+    replayer (`replay/summary.py`). With `chained` ids (directory hashes, where a block's hash
+    fixes its whole prefix) the seen blocks of a prompt are a prefix of it, found by bisection:
+    the simulator adds every prefill's prompt, thousands of blocks long. Raw ids (a Claude Code
+    file's `hash_ids`) are scanned from the start.
+    """
+
+    def __init__(self, chained: bool = True) -> None:
+        self.chained = chained
         self.seen: set[int] = set()
+        self.hits = 0
+        self.blocks = 0
 
-    def hits(self, blocks: Sequence[int]) -> int:
-        k = 0
-        while k < len(blocks) and blocks[k] in self.seen:
-            k += 1
-        self.seen.update(blocks)
-        return k
+    def add(self, blocks: Sequence[int]) -> int:
+        """Counts one prompt; returns its hits."""
+        seen = self.seen
+        if self.chained:
+            lo, hi = 0, len(blocks)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if blocks[mid] in seen:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            seen.update(blocks[lo:])
+        else:
+            lo = 0
+            while lo < len(blocks) and blocks[lo] in seen:
+                lo += 1
+            seen.update(blocks)
+        self.hits += lo
+        self.blocks += len(blocks)
+        return lo
+
+    @property
+    def rate(self) -> float | None:
+        return self.hits / self.blocks if self.blocks else None
 
 
 def conversation_stats(c: Conversation) -> Stats:
     """Stats of one Claude Code conversation (h* over raw `hash_ids`, literal time order)."""
     s = Stats(kind="claude-code", block_size=BLOCK_SIZE)
-    cache = _IdealCache()
+    cache = IdealCache(chained=False)
     for r in c.requests:
-        hits = cache.hits(r.hash_ids)
+        hits = cache.add(r.hash_ids)
         s.add_request(r.input_tokens, r.output_tokens, len(r.hash_ids), hits)
         if r.think_time is not None:
             s.waits.append(r.think_time)
@@ -171,13 +199,13 @@ def conversation_stats(c: Conversation) -> Stats:
 def trace_stats(trace: Trace, kind: str = "trace") -> Stats:
     """Stats of a model trace (h* over directory hashes, nominal replay order)."""
     s = Stats(kind=kind, block_size=trace.block_size)
-    cache = _IdealCache()
+    cache = IdealCache()
     hasher = PromptHasher(trace)
     branches = {(a.id, b.id): b for a in trace.agents for b in a.branches}
     for x in trace_timeline(trace):
         r = x.request
         hashes = hasher.hashes(x.agent, branches[(x.agent.id, x.branch)], r)
-        s.add_request(r.prompt_tokens, r.output_tokens, r.prompt_blocks, cache.hits(hashes))
+        s.add_request(r.prompt_tokens, r.output_tokens, r.prompt_blocks, cache.add(hashes))
         s.waits.append(r.wait)
     _count_structure(s, trace)
     return s
