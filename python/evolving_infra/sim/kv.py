@@ -49,6 +49,7 @@ import numpy.typing as npt
 
 from evolving_infra._core import KvDirectory
 from evolving_infra.sim.config import PIN_TIME
+from evolving_infra.workloads.blocks import known_prefix
 
 IntArray = npt.NDArray[np.int64]
 KvTier = Literal["L1", "L2"]
@@ -162,13 +163,7 @@ class BlockParents:
         """Records a chain from a first page (chains are prefix-closed: the known blocks are a
         prefix of it, so one binary search finds the new ones)."""
         at = self._at
-        lo, hi = 0, len(chain)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if chain[mid] in at:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = known_prefix(chain, at)
         if lo == len(chain):
             return
         new = chain[lo:]

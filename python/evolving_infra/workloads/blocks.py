@@ -14,7 +14,7 @@ signed 64-bit int. The chain starts from a seed:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import NewType, cast
 
 import numpy as np
@@ -76,6 +76,19 @@ def chain_hashes(
 ) -> tuple[BlockHash, ...]:
     """Hashes of a prompt of namespace ids with no shared prefix; `prefix`: known leading hashes."""
     return tuple(chain_from(namespace_seed(namespace), ids, prefix))
+
+
+def known_prefix(chain: Sequence[int], known: Container[int]) -> int:
+    """How many leading blocks of `chain` are in `known`, when `known` is prefix-closed for it
+    (chain hashes: holding a block means holding every block before it), by bisection."""
+    lo, hi = 0, len(chain)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if chain[mid] in known:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

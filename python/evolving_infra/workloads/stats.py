@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from evolving_infra.workloads import jsonl
-from evolving_infra.workloads.blocks import PromptHasher
+from evolving_infra.workloads.blocks import PromptHasher, known_prefix
 from evolving_infra.workloads.claude_code import (
     BLOCK_SIZE,
     TRACE_SUFFIXES,
@@ -161,13 +161,7 @@ class IdealCache:
         """Counts one prompt; returns its hits."""
         seen = self.seen
         if self.chained:
-            lo, hi = 0, len(blocks)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if blocks[mid] in seen:
-                    lo = mid + 1
-                else:
-                    hi = mid
+            lo = known_prefix(blocks, seen)
             seen.update(blocks[lo:])
         else:
             lo = 0
