@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import re
 import urllib.request
@@ -260,6 +261,46 @@ def test_failed_requests_count_with_their_reason_and_the_branches_go_on() -> Non
         assert "f.t/f2" in ended
 
     asyncio.run(main())
+
+
+def test_a_session_past_its_until_is_not_sent_and_its_follower_is() -> None:
+    """The live replayer's closed loop is the simulator's (`AgentReplay`): agent b follows a
+    but may start only until 0 s, so it is skipped; c follows b and runs. A stand-in router
+    answers every request."""
+    sent: list[str] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        sent.append(request.headers[HEADER_BRANCH].split("/")[0])  # "u.<agent>"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        usage = {"prompt_tokens": 10, "completion_tokens": 8}
+        await resp.write(router_api.sse({"choices": [{"index": 0, "text": "ab"}]}))
+        await resp.write(router_api.sse({"choices": [], "usage": usage}))
+        await resp.write(router_api.SSE_DONE)
+        return resp
+
+    async def end(request: web.Request) -> web.Response:
+        return web.json_response({"ended": True})
+
+    tree = _tree_trace()
+    (a,) = tree.agents
+    b = dataclasses.replace(a, id=AgentId("b"), namespace="b", follows=a.id, until=0.0)
+    c = dataclasses.replace(a, id=AgentId("c"), namespace="c", follows=b.id)
+    trace = dataclasses.replace(tree, agents=(a, b, c))
+    validate(trace)
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/branches/{branch}/end", end)
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
+            url = str(server.make_url("")).rstrip("/")
+            settings = ReplaySettings(url, "m", duration=30.0, run_id="u")
+            summary = await Replayer(trace, settings, http).run()
+        assert (summary.issued, summary.completed, summary.lost) == (16, 16, 0)
+
+    asyncio.run(main())
+    assert {x: sent.count(f"u.{x}") for x in ("t", "b", "c")} == {"t": 8, "b": 0, "c": 8}
 
 
 # -- live ---------------------------------------------------------------------------------------
