@@ -212,3 +212,17 @@ def test_a_split_with_more_decode_nodes_is_priced_with_its_larger_cache() -> Non
     assert same is not None
     assert plain is not None
     assert same.thetas == plain.thetas
+
+
+def test_decode_kv_full_of_running_requests_keeps_the_estimate() -> None:
+    """The same lossy slices with the decode nodes' KV full of running requests: they keep no
+    cache between turns, so their count says nothing about a candidate's cache, and every
+    candidate is priced as without the reuse records."""
+    p = EvolvingPlanner(9)
+    full = [dataclasses.replace(lossy_slice(k, lost=True), kv_utilization=0.99) for k in range(5)]
+    blind = [dataclasses.replace(s, arrival_reuse=()) for s in full]
+    with_records = p.evaluate(300.0, Split(4, 5), full, MODEL)
+    without = p.evaluate(300.0, Split(4, 5), blind, MODEL)
+    assert with_records is not None
+    assert without is not None
+    assert with_records.thetas == without.thetas
