@@ -13,7 +13,7 @@ import dataclasses
 import json
 import re
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -34,7 +34,7 @@ from evolving_infra.replay.client import (
 )
 from evolving_infra.replay.prompts import PromptTokens
 from evolving_infra.replay.runner import Replayer, ReplaySettings, scale_time
-from evolving_infra.replay.summary import Outcome, summarize
+from evolving_infra.replay.summary import Outcome, Summary, summarize
 from evolving_infra.router import api as router_api
 from evolving_infra.router import branches as router_branches
 from evolving_infra.workloads.blocks import PromptHasher, chain_hashes
@@ -207,6 +207,20 @@ def test_scale_time_divides_waits_and_delays() -> None:
         assert [r.blocks for r in b.requests] == [r.blocks for r in a.requests]
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _replay_against(trace: Trace, run_id: str, completions: Handler, end: Handler) -> Summary:
+    """Replays `trace` against a stand-in router on loopback serving these two endpoints."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/branches/{branch}/end", end)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
+        url = str(server.make_url("")).rstrip("/")
+        settings = ReplaySettings(url, "m", duration=30.0, run_id=run_id)
+        return await Replayer(trace, settings, http).run()
+
+
 def test_failed_requests_count_with_their_reason_and_the_branches_go_on() -> None:
     """A stand-in router (real aiohttp on loopback: the real router cannot be made to fail in
     these ways on demand) answers its n-th request in one of five ways, in turn: the replay
@@ -241,13 +255,7 @@ def test_failed_requests_count_with_their_reason_and_the_branches_go_on() -> Non
         return web.json_response({"ended": True})
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_post("/v1/branches/{branch}/end", end)
-        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
-            url = str(server.make_url("")).rstrip("/")
-            settings = ReplaySettings(url, "m", duration=30.0, run_id="f")
-            summary = await Replayer(_tree_trace(), settings, http).run()
+        summary = await _replay_against(_tree_trace(), "f", completions, end)
         assert (summary.issued, summary.completed, summary.failed, summary.lost) == (8, 2, 6, 0)
         assert summary.errors == {
             "broken_stream": 1,
@@ -290,13 +298,7 @@ def test_a_session_past_its_until_is_not_sent_and_its_follower_is() -> None:
     validate(trace)
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_post("/v1/branches/{branch}/end", end)
-        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
-            url = str(server.make_url("")).rstrip("/")
-            settings = ReplaySettings(url, "m", duration=30.0, run_id="u")
-            summary = await Replayer(trace, settings, http).run()
+        summary = await _replay_against(trace, "u", completions, end)
         assert (summary.issued, summary.completed, summary.lost) == (16, 16, 0)
 
     asyncio.run(main())
