@@ -26,8 +26,9 @@ other two, the kept share was off by at most 0.015 on average over 10-minute win
 splits differed by up to 0.08). Where a slice lost nothing (everything reusable was cached),
 τ is only known to be large and the estimate stands for every candidate: a cache with room to
 spare says nothing about a smaller one; nor does a slice whose decode KV is full of running
-requests (the planner then leaves the model out, `evolving._reuse_model`). Not modelled: a split's own latency lengthens the gaps
-(a slower decode delays the next turn), about a third of the difference in those runs.
+requests (the planner then leaves the model out, `evolving._reuse_model`). Not modelled: a
+split's own latency lengthens the gaps (a slower decode delays the next turn), about a third
+of the difference in those runs.
 """
 
 from __future__ import annotations
