@@ -252,7 +252,7 @@ Session = Callable[[random.Random, AgentBuilder, float], None]
 @dataclass(frozen=True, slots=True)
 class SlotPlan:
     agents: int  # concurrent slots
-    duration: float  # seconds: a slot starts no session after this nominal time
+    duration: float  # seconds of the run; a slot is filled with sessions for its nominal time
     seed: int
     ramp: float | None = None  # slots start uniformly over [0, ramp); None: min(60 s, duration/10)
     # A phase of a longer run: its slots start `begin` seconds later (over [begin, begin + ramp)),
@@ -274,9 +274,10 @@ def slot_agents(
     """The agents of `plan.agents` slots, each running sessions back to back.
 
     `draw(rng, id, t, follows)` makes the session that starts at nominal time t (its `start`
-    and `follows` as given); a slot stops starting sessions once t passes the duration. A
-    phase's `until` bounds served time, not nominal time: its slots are still filled to the
-    duration, so that a split faster than nominal does not run out of sessions before it.
+    and `follows` as given); a slot stops starting sessions once t passes `begin` + `fill` x
+    (duration - `begin`). A phase's `until` bounds served time, not nominal time: its slots
+    are filled just the same, so that a split faster than nominal does not run out of
+    sessions before it.
     """
     if plan.agents <= 0 or plan.duration <= 0:
         raise WorkloadError("agents and duration must be > 0")
