@@ -10,7 +10,6 @@ from pathlib import Path
 from rich.console import Console
 
 from evolving_infra.cluster import command as cluster_command
-from evolving_infra.engines.pool.master import free_ports
 
 
 def start_cluster(
@@ -22,7 +21,7 @@ def start_cluster(
     cluster_command.add_arguments(parser)
     args = parser.parse_args(
         ["up", "--engines", str(engines), "--prefill", str(prefill), "--no-pool",
-         "--no-planner", "--router-port", str(free_ports(1)[0]),
+         "--no-planner", "--router-port", "0",
          "--time-scale", str(time_scale), "--log-dir", str(log_dir)]
     )  # fmt: skip
     return cluster_command.up(args, Console(file=io.StringIO()))

@@ -9,17 +9,21 @@ matters, in a child (`sys.executable -c ...`, with dependencies hidden from `fin
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
+import io
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from evolving_infra import cli, demo
 from evolving_infra.cluster import command as cluster_command
@@ -184,6 +188,37 @@ def test_a_router_port_taken_while_the_engines_start_is_one_line(
     line = error_line(capsys.readouterr().err, "cluster")
     assert f"port {taken_port} is taken: choose another with --router-port" in line
     assert "is taken" in (tmp_path / "router.log").read_text()  # the router said so itself
+
+
+def test_any_free_router_port_taken_before_the_router_binds_it_is_picked_again(
+    monkeypatch: pytest.MonkeyPatch, taken_port: int, tmp_path: Path
+) -> None:
+    """`--router-port 0`: a port the kernel picked and another process took before the router
+    bound it is not the user's mistake; the router starts again on another."""
+    picks: list[list[int]] = []
+
+    def pick(count: int) -> list[int]:
+        ports = [taken_port] if count == 1 and not any(len(p) == 1 for p in picks) else None
+        picks.append(ports or free_ports(count))
+        return picks[-1]
+
+    monkeypatch.setattr(cluster_command, "free_ports", pick)
+    parser = argparse.ArgumentParser()
+    cluster_command.add_arguments(parser)
+    args = parser.parse_args(
+        ["up", "--no-pool", "--no-planner", "--engines", "2", "--router-port", "0",
+         "--time-scale", "20", "--log-dir", str(tmp_path)]
+    )  # fmt: skip
+    cluster = cluster_command.up(args, Console(file=io.StringIO()))
+    try:
+        routers = [p for p in picks if len(p) == 1]
+        assert routers[0] == [taken_port]
+        assert len(routers) == 2
+        assert cluster.router_url == f"http://127.0.0.1:{routers[1][0]}"
+        with urllib.request.urlopen(f"{cluster.router_url}/health", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        cluster.stop()
 
 
 def test_router_on_a_taken_port_is_one_line(

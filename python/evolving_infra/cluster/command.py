@@ -241,8 +241,8 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
     # The user's errors first, before anything starts: a router port taken, a bad log folder.
     deployment = Deployment(MODELS[args.model], GPUS[args.gpu], args.tp)
     check_deployment(EngineSettings(deployment=deployment, page_size=args.page_size))
-    router_port = args.router_port or free_ports(1)[0]
-    check_listen(LOOPBACK, router_port, "--router-port")
+    if args.router_port:
+        check_listen(LOOPBACK, args.router_port, "--router-port")
     check_output_folder(args.log_dir, "--log-dir")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(args.log_dir)
@@ -299,22 +299,32 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
                         starts[j] += 1
         cluster.engine_urls = [f"http://127.0.0.1:{p}" for p in http]
         cluster.control = [f"127.0.0.1:{p}" for p in grpc]
-        router = [*me, "router", "--engines", *(f"127.0.0.1:{g}" for g in grpc),
-                  "--port", str(router_port), "--page-size", str(args.page_size),
-                  "--planner-interval", str(args.planner_interval)]  # fmt: skip
+        router_args = [*me, "router", "--engines", *(f"127.0.0.1:{g}" for g in grpc),
+                       "--page-size", str(args.page_size),
+                       "--planner-interval", str(args.planner_interval)]  # fmt: skip
         if args.no_planner:
-            router.append("--no-planner")
+            router_args.append("--no-planner")
         if args.no_admission:
-            router.append("--no-admission")
-        router_proc = cluster.spawn("router", router)
-        cluster.router_url = f"http://127.0.0.1:{router_port}"
-        try:
-            wait_healthy(cluster, f"{cluster.router_url}/health", "the router", router_proc.log)
-        except ClusterError:
-            # Taken by another process since the check above: the user's choice to make.
-            if router_proc.exited() is not None and port_taken(LOOPBACK, router_port):
-                raise PortInUseError(LOOPBACK, router_port, "--router-port") from None
-            raise
+            router_args.append("--no-admission")
+        for attempt in range(1, ENGINE_START_ATTEMPTS + 1):
+            # Port 0: picked now, after the engines bound theirs, so that none of their ZMQ
+            # streams can take it in between.
+            router_port = args.router_port or free_ports(1)[0]
+            router_proc = cluster.spawn("router", [*router_args, "--port", str(router_port)])
+            cluster.router_url = f"http://127.0.0.1:{router_port}"
+            try:
+                wait_healthy(cluster, f"{cluster.router_url}/health", "the router", router_proc.log)
+                break
+            except ClusterError:
+                if router_proc.exited() is None or not port_taken(LOOPBACK, router_port):
+                    raise
+                if args.router_port:
+                    # Taken by another process since the check above: the user's choice.
+                    raise PortInUseError(LOOPBACK, router_port, "--router-port") from None
+                if attempt == ENGINE_START_ATTEMPTS:
+                    raise
+                # A port the kernel picked, taken before the router bound it: pick another.
+                cluster.procs.remove(router_proc)
     except BaseException:
         cluster.stop()
         raise

@@ -142,7 +142,7 @@ def _cluster_args(args: argparse.Namespace) -> argparse.Namespace:
     """`cluster up`'s own options, parsed by its own parser (one implementation)."""
     p = argparse.ArgumentParser()
     cluster_command.add_arguments(p)
-    argv = ["up", "--engines", str(args.engines), "--router-port", str(_free_port()),
+    argv = ["up", "--engines", str(args.engines), "--router-port", "0",
             "--time-scale", str(args.time_scale), "--gpu", args.gpu,
             "--log-dir", str(args.log_dir)]  # fmt: skip
     if args.prefill is not None:
@@ -152,12 +152,6 @@ def _cluster_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.l2_blocks is not None:
         argv += ["--l2-blocks", str(args.l2_blocks)]
     return p.parse_args(argv)
-
-
-def _free_port() -> int:
-    from evolving_infra.engines.pool.master import free_ports
-
-    return free_ports(1)[0]
 
 
 def run(args: argparse.Namespace) -> int:
