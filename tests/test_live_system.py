@@ -239,7 +239,8 @@ def test_an_engine_whose_port_is_taken_starts_again_on_fresh_ports(
     finally:
         taken.close()
     try:
-        assert calls == [4, 2], calls  # the engines' ports, then fresh ones for engine 1
+        # The engines' ports, fresh ones for engine 1, then the router's (`--router-port 0`).
+        assert calls == [4, 2, 1], calls
         assert "cannot listen" in (tmp_path / "engine-1.log").read_text()
         assert f":{held}" not in c.engine_urls[1]
         assert _get(f"{c.engine_urls[1]}/health")["state"] == "serving"
