@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
 from evolving_infra.sim.agents import SimRequest
@@ -37,6 +38,9 @@ class OneSwitch:
 
     def switch_done(self) -> None:
         self.done += 1
+
+    def decision(self, now: float, asked: Split | None) -> dict[str, Any] | None:
+        return None
 
 
 def in_system(cluster: Cluster) -> list[SimRequest]:

@@ -79,6 +79,21 @@ def test_a_steady_gain_moves_at_the_first_decision() -> None:
     assert target.prefill > 4
     assert p.last is not None
     assert p.last.gain_now == pytest.approx(p.last.mean_gain)
+    # The decision's record: what it held, found best and asked for, and every candidate's Θ.
+    record = p.decision(180.0, target)
+    assert record is not None
+    assert record["split"] == "4P4D"
+    assert record["asked"] == str(target)
+    assert record["best"] == str(p.last.target)
+    assert list(record["theta"]) == [f"{x}P{8 - x}D" for x in range(1, 8)]
+    assert max(record["theta"].values()) == pytest.approx(p.last.mean_theta)
+    assert p.decision(240.0, None) is None  # nothing was evaluated at 240 s
+    p.switch_done()
+    assert p.decide(240.0, target, w, MODEL) is None  # at the best split: kept
+    kept = p.decision(240.0, None)
+    assert kept is not None
+    assert kept["asked"] is None
+    assert kept["split"] == kept["best"] == str(target)
 
 
 # -- rule 5: a move is undone on new evidence only ---------------------------------------------

@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
+import structlog.testing
 
 from evolving_infra import KvDirectory
 from evolving_infra.control import EngineClient, serve
 from evolving_infra.engines.sim import SimEngine
 from evolving_infra.engines.sim.requests import GenerateSpec
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
+from evolving_infra.planner.evolving import EvolvingPlanner
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
@@ -48,6 +51,9 @@ class FixedTarget:
 
     def switch_done(self) -> None:
         self.done += 1
+
+    def decision(self, now: float, asked: Split | None) -> dict[str, Any] | None:
+        return None
 
 
 def test_a_decision_becomes_an_in_place_switch_that_keeps_the_kv() -> None:
@@ -107,3 +113,37 @@ def test_a_decision_becomes_an_in_place_switch_that_keeps_the_kv() -> None:
             await e.close()
 
     asyncio.run(scenario())
+
+
+class _Engine:
+    def __init__(self, node: int, phase: str) -> None:
+        self.node, self.phase, self.state = node, phase, "up"
+
+
+class _Dispatcher:
+    """What `LivePlanner.tick` reads of a dispatcher when it keeps the split."""
+
+    page_size = 16
+
+    def __init__(self) -> None:
+        self.engines = {0: _Engine(0, "prefill"), 1: _Engine(1, "prefill"), 2: _Engine(2, "decode")}
+
+
+def test_every_decision_is_logged_with_each_candidates_throughput() -> None:
+    """The planner is not silent when it keeps the split: one `planner_decision` line per
+    decision, with the split, the best candidate and Θ of every candidate."""
+    lp = LivePlanner(_Dispatcher(), {}, IterationModel(), nodes=3)  # type: ignore[arg-type]
+    lp.planner = EvolvingPlanner(3, min_gain=10.0, kv_capacity_tokens=400_000)  # never moves
+    with structlog.testing.capture_logs() as logs:
+        for minute in range(1, 5):
+            for _ in range(20):
+                lp.slices.arrival(4000, 3000, 1000, now=minute * 60.0 - 30)
+                lp.slices.tokens(200)
+            lp.tick(minute * 60.0)
+    decided = [e for e in logs if e["event"] == "planner_decision"]
+    assert len(decided) == 2  # at 180 s and 240 s: three slices with arrivals are needed
+    for e in decided:
+        assert e["split"] == "2P1D"
+        assert e["asked"] is None
+        assert set(e["theta"]) == {"1P2D", "2P1D"}
+        assert e["best"] in e["theta"]

@@ -54,6 +54,18 @@ def test_writes_results_table_and_timelines(
     assert "| evolving |" in capsys.readouterr().out
     for name in ("throughput", "hit_rate", "split"):
         assert (out / f"timeline_{name}.png").stat().st_size > 1000
+    # Why the evolving planner kept or moved: a record per decision, Θ of every candidate.
+    log = results["policies"]["evolving"]["decision_log"]
+    assert log
+    for d in log:
+        assert set(d["theta"]) == {"1P2D", "2P1D"}
+        assert d["split"] in d["theta"]
+        assert d["best"] in d["theta"]
+        assert d["asked"] is None or d["asked"] != d["split"]
+    assert [d["t"] for d in log] == sorted(d["t"] for d in log)
+    assert "decision_log" not in results["policies"]["dynamo"]
+    assert (out / "decisions_evolving.png").stat().st_size > 1000
+    assert not (out / "decisions_dynamo.png").exists()
 
 
 def test_runs_on_trace_files(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from evolving_infra.planner.reuse import Reuse
 from evolving_infra.timing.model import IterationModel
@@ -121,4 +121,10 @@ class Planner(Protocol):
 
     def switch_done(self) -> None:
         """The switch the last decision asked for has finished (or was abandoned)."""
+        ...
+
+    def decision(self, now: float, asked: Split | None) -> dict[str, Any] | None:
+        """Why the decision at `now` kept the split or asked for `asked`, as a flat JSON-ready
+        record for logs and results (the evolving planner's: Θ per candidate and its test);
+        None from a planner that prices no candidates, or made no decision then."""
         ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from evolving_infra.planner.base import SliceStats, Split, thin
 from evolving_infra.timing.model import IterationModel
@@ -36,6 +37,10 @@ class PlannerGate:
 
     def switch_done(self) -> None:
         self.in_flight = False
+
+    def decision(self, now: float, asked: Split | None) -> dict[str, Any] | None:
+        """`Planner.decision`: a planner that prices no candidates has none to give."""
+        return None
 
     def _propose(self, split: Split, target: Split | None) -> Split | None:
         if target is None or target == split:

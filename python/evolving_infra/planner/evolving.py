@@ -62,6 +62,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -93,6 +94,7 @@ FULL_DECODE_KV = 0.95
 class Evaluation:
     """What the planner computed for one decision (for tests, logs and the simulator's plots)."""
 
+    at: float  # when: the `now` it was evaluated at
     current: Split
     target: Split  # the candidate with the best mean Θ
     slices: int  # slices with arrivals that entered the test
@@ -102,6 +104,23 @@ class Evaluation:
     gain_now: float  # the gains' least-squares line one slice past the latest (rule 4)
     # Mean Θ of every candidate, requests/s, by prefill nodes 1..N-1 (for logs and plots).
     thetas: tuple[float, ...] = ()
+
+    def record(self, asked: Split | None) -> dict[str, Any]:
+        """The decision as one flat, JSON-ready record (the simulator's `decision_log`, the
+        live router's `planner_decision` log line): the split, the best candidate, the test's
+        figures, what was asked for (None: kept) and Θ per candidate as {"xPyD": requests/s}."""
+        n = len(self.thetas) + 1
+        return {
+            "t": self.at,
+            "split": str(self.current),
+            "best": str(self.target),
+            "asked": None if asked is None else str(asked),
+            "slices": self.slices,
+            "mean_gain": self.mean_gain,
+            "p_value": self.p_value,
+            "gain_now": self.gain_now,
+            "theta": {str(Split(x, n - x)): t for x, t in enumerate(self.thetas, start=1)},
+        }
 
 
 class EvolvingPlanner(PlannerGate):
@@ -197,6 +216,7 @@ class EvolvingPlanner(PlannerGate):
         best = min(ties, key=lambda k: abs(k - cur))
         gains = theta[:, best] / theta[:, cur] - 1.0
         return Evaluation(
+            at=now,
             current=split,
             target=Split(int(xs[best]), int(n - xs[best])),
             slices=len(mix),
@@ -206,6 +226,12 @@ class EvolvingPlanner(PlannerGate):
             gain_now=_line_at(times, gains, float(times.max()) + self.window_s / self.slices),
             thetas=tuple(float(t) for t in mean_theta),
         )
+
+    def decision(self, now: float, asked: Split | None) -> dict[str, Any] | None:
+        """The record of the decision made at `now` (`Evaluation.record`), None when none was
+        evaluated then (a switch in flight, too few slices with arrivals)."""
+        ev = self.last
+        return ev.record(asked) if ev is not None and ev.at == now else None
 
     def _demand(self, model: IterationModel, m: MeanRequest, mu_p: float = 0.0) -> SliceDemand:
         """What a slice's mean request asks of a split (`throughput.split_rate`), with `mu_p`

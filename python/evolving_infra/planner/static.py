@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
 from evolving_infra.timing.model import IterationModel
@@ -43,3 +44,7 @@ class StaticPlanner:
 
     def switch_done(self) -> None:
         """Nothing is ever in flight."""
+
+    def decision(self, now: float, asked: Split | None) -> dict[str, Any] | None:
+        """Nothing is priced."""
+        return None

@@ -133,6 +133,9 @@ class LivePlanner:
             return
         current = self.split()
         target = self.planner.decide(now, current, list(self.slices.window), self.model)
+        decided = self.planner.decision(now, target)
+        if decided is not None:  # kept or switched, and Θ per candidate: why
+            log.info("planner_decision", **decided)
         if target is None or target == current:
             return
         to: Phase = "prefill" if target.prefill > current.prefill else "decode"

@@ -116,6 +116,8 @@ class Cluster:
         tracked = planner is not None and planner.reads_reuse
         self.slices = Slices(config.planner_window_s, block_tokens=bs if tracked else None)
         self.planner = planner
+        # One record per decision of a planner that prices candidates (`Planner.decision`).
+        self.decisions: list[dict[str, Any]] = []
         self.switcher: Switcher | None = None
         if planner is not None:
             down = {
@@ -227,6 +229,9 @@ class Cluster:
         target = self.planner.decide(
             self.now, self.switcher.split(), list(self.slices.window), self.model
         )
+        decided = self.planner.decision(self.now, target)
+        if decided is not None:
+            self.decisions.append(decided)
         if target is not None:
             self.switcher.request(target, self.now)
         if not self._idle():

@@ -165,5 +165,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "results.md").write_text(header + table, encoding="utf-8")
     timelines(results, out)
     print(table, end="")
-    print(f"wrote {out}/results.json, results.md and timeline_*.png", file=sys.stderr)
+    print(
+        f"wrote {out}/results.json, results.md, timeline_*.png and decisions_*.png", file=sys.stderr
+    )
     return 0

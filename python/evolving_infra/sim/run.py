@@ -70,7 +70,7 @@ def simulate(trace: Trace, config: SimConfig, spec: PolicySpec, tick: Tick | Non
     switches = cluster.switcher.log if cluster.switcher is not None else []
     summary = cluster.metrics.summary(end, switches)
     kv = [n.kv for n in cluster.nodes]
-    extra = {
+    extra: dict[str, Any] = {
         "evicted_blocks": sum(k.evicted for k in kv),
         "demoted_blocks": sum(k.demoted for k in kv),
         "dropped_blocks": sum(k.dropped for k in kv),
@@ -78,6 +78,8 @@ def simulate(trace: Trace, config: SimConfig, spec: PolicySpec, tick: Tick | Non
         "deduped_blocks": sum(k.deduped for k in kv),
         "final_split": str(cluster.switcher.split()) if cluster.switcher else None,
     }
+    if cluster.decisions:  # Θ per candidate at each decision (the evolving planner's)
+        extra["decision_log"] = cluster.decisions
     return Result(spec.name, summary, cluster.metrics.timeline, switches, cluster.stats, extra)
 
 
