@@ -17,6 +17,8 @@ from evolving_infra.planner.common import (
     packed_prefill_rate,
     prefill_rate,
 )
+from evolving_infra.planner.evolving import mix_shifted, mix_signature
+from evolving_infra.planner.reuse import Reuse
 from evolving_infra.planner.slices import Slices
 from evolving_infra.planner.throughput import SliceDemand, split_rate
 from evolving_infra.timing import DEFAULT_DEPLOYMENT
@@ -141,6 +143,43 @@ def test_a_shift_moves_on_the_latest_half_of_the_window() -> None:
     assert EvolvingPlanner(8).decide(600.0, Split(4, 4), late, MODEL) is None
     with pytest.raises(ValueError, match="recent"):
         EvolvingPlanner(8, recent=1.0)
+
+
+def test_a_cache_that_lost_its_contexts_is_no_shift_of_the_mix() -> None:
+    """The same prompts and outputs, but for the latest five minutes four times the uncached
+    tokens (the cache lost the agents' contexts, as on OSWorld at 120 agents): read alone,
+    the latest half would move nodes to prefill; the mix did not shift, so rule 7 keeps out."""
+    w = [sl(k, 1_000, 20_000, 300, n=100) for k in range(5)]
+    w += [sl(k, 8_000, 13_000, 300, n=100) for k in range(5, 10)]
+    loose = EvolvingPlanner(8, shift_factor=None)
+    moved = loose.decide(600.0, Split(2, 6), w, MODEL)
+    assert moved is not None  # the latest half alone says so
+    assert moved.prefill > 2
+    assert loose.last is not None
+    assert loose.last.slices == 5
+    p = EvolvingPlanner(8)
+    assert p.decide(600.0, Split(2, 6), w, MODEL) is None
+    assert p.last is not None
+    assert p.last.slices == 10  # the whole window's evaluation, which keeps the split
+    assert not mix_shifted(w[:5], w[5:], 2.0)
+    # Prompts twice as long, or outputs half as long, are another mix.
+    assert mix_shifted(w[:5], [sl(k, 1_000, 41_000, 300) for k in range(5, 10)], 2.0)
+    assert mix_shifted(w[:5], [sl(k, 1_000, 20_000, 150) for k in range(5, 10)], 2.0)
+
+
+def test_the_mix_signature_reads_what_no_cache_could_hold() -> None:
+    """The share of the prompts nothing reusable covers comes from the sampled arrivals'
+    reusable prefixes, not from what the cluster found cached."""
+    reused = Reuse(((6_000, 30.0),))
+    s = dataclasses.replace(
+        sl(0, 8_000, 2_000, 100, n=4), arrivals=((8_000, 2_000),) * 4, arrival_reuse=(reused,) * 4
+    )
+    sig = mix_signature([s])
+    assert sig is not None
+    assert sig == pytest.approx((10_000, 100, 0.4))
+    assert mix_signature([sl(0, 8_000, 2_000, 100, n=0)]) is None
+    fresh = dataclasses.replace(s, arrival_reuse=(Reuse(),) * 4)
+    assert mix_shifted([s], [fresh], 2.0)  # 40% fresh -> all of it
 
 
 # -- μ_P from the requests a prefill node batches -----------------------------------------------

@@ -51,7 +51,11 @@ Rule, every `interval` (60 s) over a `window_s` (600 s) window cut into `slices`
    OSWorld on the paper's deployment: 1P8D held until 480 s after the step, then 2P7D and
    4P5D 5 minutes apart). The latest half is a test of its own on fewer slices, not a
    looser one: a burst within it is one slice among five (a large variance, no move), a
-   fading one fails rule 4, and `min_slices` still holds.
+   fading one fails rule 4, and `min_slices` still holds. It applies only where the mix did
+   shift (`mix_shifted`: mean prompt, mean output or the share no cache could hold differ by
+   `shift_factor`, 2x, between the two halves): a cache that lost the agents' contexts for a
+   few minutes changes what the cluster makes of the same mix, not the mix, and the latest half
+   then prices the split that makes the loss last longer.
 
 While a switch is in flight (until `switch_done()`), no decision is made.
 """
@@ -88,6 +92,11 @@ from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
 # Decode KV use by running requests at or above which the reuse model is not applied
 # (`_reuse_model`): a modelling choice, the share at which a cache has no room left to speak of.
 FULL_DECODE_KV = 0.95
+# The least share of the prompts no cache could hold that `mix_shifted` tells apart: below a
+# hundredth both halves hold next to no new context. A tenth (a few sessions more or less in 64
+# sampled arrivals move Claude Code's share between 0.015 and 0.04) kept the start-up moves
+# that help there out as well: 0.976x and 0.982x of the 0.01 floor at 126 agents, tuning draws.
+FRESH_FLOOR = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +157,7 @@ class EvolvingPlanner(PlannerGate):
         memory: SplitMemory | None = None,
         early_allocation: bool = True,
         recent: float | None = 0.5,
+        shift_factor: float | None = 2.0,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
@@ -172,6 +182,7 @@ class EvolvingPlanner(PlannerGate):
         # not once its prefill is done: decode KV is then held through the prefill.
         self.early_allocation = early_allocation
         self.recent = recent
+        self.shift_factor = shift_factor
         self.last: Evaluation | None = None
         # The last move asked for: when, and +1 towards prefill or -1 towards decode (rule 5).
         self.moved: tuple[float, int] | None = None
@@ -281,7 +292,11 @@ class EvolvingPlanner(PlannerGate):
             return None
         self.last, ev = self._move(now, split, window, model)
         if ev is None and self.recent is not None:  # rule 7: the mix may have shifted
-            recent = [s for s in window if s.start >= now - self.recent * self.window_s]
+            cut = now - self.recent * self.window_s
+            recent = [s for s in window if s.start >= cut]
+            older = [s for s in window if s.start < cut]
+            if self.shift_factor is not None and not mix_shifted(older, recent, self.shift_factor):
+                return None
             _, ev = self._move(now, split, recent, model)
             if ev is not None:
                 self.last = ev
@@ -329,6 +344,42 @@ class EvolvingPlanner(PlannerGate):
         if model.deployment is None:
             raise ValueError("kv_capacity_tokens is needed when the model has no deployment")
         return kv_capacity_tokens(model.deployment)
+
+
+def mix_signature(window: Sequence[SliceStats]) -> tuple[float, float, float] | None:
+    """What a mix is, whatever the cluster made of it: mean prompt tokens, mean output tokens
+    and the share of the prompts no cache could have held (from the sampled arrivals' reusable
+    prefixes, `reuse.Reuse.tokens`; 1 when untracked). None without arrivals."""
+    requests = sum(s.requests for s in window)
+    if requests == 0:
+        return None
+    prompt = sum(s.prompt_tokens for s in window) / requests
+    output = max(sum(s.output_tokens for s in window) / requests, 1.0)
+    sampled = [
+        (u + c, r.tokens)
+        for s in window
+        if len(s.arrival_reuse) == len(s.arrivals)
+        for (u, c), r in zip(s.arrivals, s.arrival_reuse, strict=True)
+    ]
+    total = sum(p for p, _ in sampled)
+    fresh = 1.0 - sum(min(t, p) for p, t in sampled) / total if total > 0 else 1.0
+    return prompt, output, fresh
+
+
+def mix_shifted(older: Sequence[SliceStats], recent: Sequence[SliceStats], factor: float) -> bool:
+    """Whether the mix of `recent` differs from that of `older` by `factor` or more in one of
+    its signature's figures (`mix_signature`). Rule 7 reads the latest half alone when the mix
+    shifted; a change in what the cluster did with the same mix is not one: on OSWorld at 120
+    agents (36 H100s, seed 3, a tuning draw) the cache lost the sessions' contexts for a few
+    minutes (uncached tokens per request 2.7k -> 12k, prompts 1.4x), the latest half priced
+    3P6D above 2P7D, and the move made the loss last ten minutes instead of two."""
+    a, b = mix_signature(older), mix_signature(recent)
+    if a is None or b is None:
+        return b is not None  # arrivals only lately: the mix is new
+    # Shares under FRESH_FLOOR count as FRESH_FLOOR: a ratio of two near-zero shares is noise.
+    fresh_a, fresh_b = max(a[2], FRESH_FLOOR), max(b[2], FRESH_FLOOR)
+    ratios = (b[0] / max(a[0], 1.0), b[1] / a[1], fresh_b / fresh_a)
+    return any(r >= factor or r <= 1.0 / factor for r in ratios)
 
 
 def _reuse_model(s: SliceStats) -> SliceReuse | None:
