@@ -148,16 +148,17 @@ def test_a_shift_moves_on_the_latest_half_of_the_window() -> None:
 def test_a_cache_that_lost_its_contexts_is_no_shift_of_the_mix() -> None:
     """The same prompts and outputs, but for the latest five minutes four times the uncached
     tokens (the cache lost the agents' contexts, as on OSWorld at 120 agents): read alone,
-    the latest half would move nodes to prefill; the mix did not shift, so rule 7 keeps out."""
+    the latest half would move nodes to prefill; the mix did not shift, so rule 7 with a
+    `shift_factor` keeps out."""
     w = [sl(k, 1_000, 20_000, 300, n=100) for k in range(5)]
     w += [sl(k, 8_000, 13_000, 300, n=100) for k in range(5, 10)]
-    loose = EvolvingPlanner(8, shift_factor=None)
+    loose = EvolvingPlanner(8)  # the default: rule 7 on any window
     moved = loose.decide(600.0, Split(2, 6), w, MODEL)
     assert moved is not None  # the latest half alone says so
     assert moved.prefill > 2
     assert loose.last is not None
     assert loose.last.slices == 5
-    p = EvolvingPlanner(8)
+    p = EvolvingPlanner(8, shift_factor=2.0)
     assert p.decide(600.0, Split(2, 6), w, MODEL) is None
     assert p.last is not None
     assert p.last.slices == 10  # the whole window's evaluation, which keeps the split

@@ -51,11 +51,14 @@ Rule, every `interval` (60 s) over a `window_s` (600 s) window cut into `slices`
    OSWorld on the paper's deployment: 1P8D held until 480 s after the step, then 2P7D and
    4P5D 5 minutes apart). The latest half is a test of its own on fewer slices, not a
    looser one: a burst within it is one slice among five (a large variance, no move), a
-   fading one fails rule 4, and `min_slices` still holds. It applies only where the mix did
-   shift (`mix_shifted`: mean prompt, mean output or the share no cache could hold differ by
-   `shift_factor`, 2x, between the two halves): a cache that lost the agents' contexts for a
-   few minutes changes what the cluster makes of the same mix, not the mix, and the latest half
-   then prices the split that makes the loss last longer.
+   fading one fails rule 4, and `min_slices` still holds. With `shift_factor` set (off by
+   default) it applies only where the mix did shift (`mix_shifted`: mean prompt, mean output
+   or the share no cache could hold differ by that factor between the two halves): a cache
+   that lost the agents' contexts for a few minutes changes what the cluster makes of the same
+   mix, not the mix. At 2x it helped OSWorld at 120 agents on 36 H100s (a tuning seed: 1,356
+   to 1,423 tok/s) and cost OSWorld at 500 on the paper's deployment 8% and 4% with up to 10
+   switches an hour, and Claude Code at 220 held-out agents there 5 to 9 switches
+   (docs/scenarios.md, issue 25, 2026-12-05), so it stays off.
 
 While a switch is in flight (until `switch_done()`), no decision is made.
 """
@@ -157,7 +160,7 @@ class EvolvingPlanner(PlannerGate):
         memory: SplitMemory | None = None,
         early_allocation: bool = True,
         recent: float | None = 0.5,
-        shift_factor: float | None = 2.0,
+        shift_factor: float | None = None,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
