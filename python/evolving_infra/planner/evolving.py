@@ -297,9 +297,10 @@ class EvolvingPlanner(PlannerGate):
         if ev is None and self.recent is not None:  # rule 7: the mix may have shifted
             cut = now - self.recent * self.window_s
             recent = [s for s in window if s.start >= cut]
-            older = [s for s in window if s.start < cut]
-            if self.shift_factor is not None and not mix_shifted(older, recent, self.shift_factor):
-                return None
+            if self.shift_factor is not None:
+                older = [s for s in window if s.start < cut]
+                if not mix_shifted(older, recent, self.shift_factor):
+                    return None
             _, ev = self._move(now, split, recent, model)
             if ev is not None:
                 self.last = ev
