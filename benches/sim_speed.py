@@ -47,8 +47,8 @@ PARTS = (
     ("/routing/", "routing"),
     ("/timing/", "timing (truth, fitted model)"),
     ("/planner/", "planner"),
-    ("sim/node.py", "sim: nodes"),
-    ("sim/kv.py", "sim: KV bookkeeping"),
+    ("nodemodel/node.py", "sim: nodes"),
+    ("nodemodel/kv.py", "sim: KV bookkeeping"),
     ("sim/cluster.py", "sim: event loop, cluster"),
     ("/sim/", "sim: other"),
 )

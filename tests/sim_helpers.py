@@ -6,8 +6,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
-from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.timing.model import IterationModel
 

@@ -29,10 +29,10 @@ from evolving_infra import cli, demo
 from evolving_infra.cluster import command as cluster_command
 from evolving_infra.engines.pool import master as master_mod
 from evolving_infra.engines.pool.errors import MooncakeMissingError
-from evolving_infra.engines.pool.master import free_ports
 from evolving_infra.engines.sglang import command as sglang_command
 from evolving_infra.engines.sglang import launcher
 from evolving_infra.errors import CommandError, one_line, os_error_line
+from evolving_infra.ports import free_ports
 from evolving_infra.replay import command as replay_command
 
 BUNDLED = Path(__file__).parents[1] / "data" / "traces" / "claude-code"

@@ -42,10 +42,10 @@ from evolving_infra.control import (
     UnsupportedError,
     serve,
 )
-from evolving_infra.control.records import Phase
 from evolving_infra.control.v1 import engine_pb2 as pb
 from evolving_infra.control.v1.engine_pb2_grpc import EngineControlStub
 from evolving_infra.timing.samples import Sample
+from evolving_infra.types import Phase
 
 NODE = 3
 BLOCK_BYTES = 4096

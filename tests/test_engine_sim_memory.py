@@ -21,7 +21,7 @@ import pytest
 import structlog
 import zmq
 
-from evolving_infra import block_hashes, cli
+from evolving_infra import block_hashes, cli, memtrace
 from evolving_infra.engines.events import (
     DEFAULT_REPLAY_BYTES,
     END_SEQ,
@@ -30,8 +30,7 @@ from evolving_infra.engines.events import (
 from evolving_infra.engines.sim import command, core
 from evolving_infra.engines.sim.core import EngineCore
 from evolving_infra.engines.sim.requests import GenerateSpec
-from evolving_infra.sim.kv import BlockParents
-from evolving_infra.soak import memtrace
+from evolving_infra.nodemodel.kv import BlockParents
 from test_engine_events import replay
 from test_engine_sim_helpers import PAGE, RecordingSink, settings
 

@@ -222,7 +222,7 @@ def test_an_engine_whose_port_is_taken_starts_again_on_fresh_ports(
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     held = int(taken.getsockname()[1])
-    from evolving_infra.engines.pool.master import free_ports as real
+    from evolving_infra.ports import free_ports as real
 
     calls: list[int] = []
 

@@ -34,6 +34,7 @@ from evolving_infra.engines.pool import (
     synthetic_payload,
 )
 from evolving_infra.engines.pool import master as master_mod
+from evolving_infra.ports import free_ports
 from evolving_infra.timing.specs import LLAMA3_8B, LLAMA3_70B
 
 # Mooncake comes with the `pool` extra (in `dev`, which `make test` installs): without it these
@@ -234,7 +235,7 @@ def test_hung_worker_times_out_instead_of_hanging(new_client: ClientFactory) -> 
 
 def test_no_master_is_a_typed_error_within_a_timeout() -> None:
     # Mooncake's own setup would retry for ~90 s; the client checks the address first.
-    (port,) = master_mod.free_ports(1)
+    (port,) = free_ports(1)
     cfg = PoolConfig(MasterAddress("127.0.0.1", port, port), NS, block_bytes=64)
     with pytest.raises(ValueError, match="at least"):
         PoolConfig(MasterAddress("127.0.0.1", port, port), NS, 64, segment_bytes=MiB)

@@ -24,9 +24,9 @@ from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import Finished, NoEngineError, PreparedRequest, TextPiece
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.pd import PdDispatcher
-from evolving_infra.routing.base import Phase
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.types import Phase
 from router_helpers import PAGE
 
 

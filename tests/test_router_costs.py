@@ -29,9 +29,9 @@ from evolving_infra.router.pd import (
     _without_output_ids,
     ids_json,
 )
-from evolving_infra.routing.base import Phase
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.types import Phase
 from router_helpers import PAGE, Router, run_router
 
 # -- the engine body's token ids ---------------------------------------------------------------

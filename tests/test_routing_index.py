@@ -18,13 +18,14 @@ from evolving_infra.routing import (
     LeastLoadedRouter,
     NodeLoad,
     NoNodeError,
+    Placement,
     Router,
     RouteRequest,
 )
-from evolving_infra.routing.base import Phase
 from evolving_infra.routing.index import LoadIndex
 from evolving_infra.timing import DEFAULT_DEPLOYMENT
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.types import Phase
 
 BS = 16
 KVB = DEFAULT_DEPLOYMENT.model.kv_bytes_per_token
@@ -93,7 +94,8 @@ def test_every_index_chooses_as_its_router(seed: int) -> None:
             for _, index in pairs:
                 index.put(views[n])
         d = directory(rng, chain, nodes)
-        req = RouteRequest(
+        req = RouteRequest.matched(
+            d,
             chain[: rng.randint(0, len(chain))],
             prompt_tokens=rng.randint(1, len(chain) * BS + 5),
             expected_output_tokens=rng.choice([0, 100, 3000]),
@@ -101,20 +103,30 @@ def test_every_index_chooses_as_its_router(seed: int) -> None:
         order = rng.sample(views, len(views))  # the stateless path takes any order
         for router, index in pairs:
             for phase in ("prefill", "decode"):
-                stateless = router.choose_prefill if phase == "prefill" else router.choose_decode
-                indexed = index.choose_prefill if phase == "prefill" else index.choose_decode
                 try:
-                    want = stateless(req, order, d)
+                    want = stateless(router, phase, req, order)
                 except NoNodeError:
                     with pytest.raises(NoNodeError):
-                        indexed(req, d)
+                        indexed(index, phase, req)
                     continue
-                assert indexed(req, d) == want, (router, phase)
+                assert indexed(index, phase, req) == want, (router, phase)
                 checked += 1
     assert checked > 1000
 
 
-def test_a_passed_match_is_used_as_is() -> None:
+def stateless(
+    router: Router, phase: str, req: RouteRequest, views: list[NodeLoad]
+) -> Placement | int:
+    if phase == "prefill":
+        return router.choose_prefill(req, views)
+    return router.choose_decode(req, views)
+
+
+def indexed(index: LoadIndex, phase: str, req: RouteRequest) -> Placement | int:
+    return index.choose_prefill(req) if phase == "prefill" else index.choose_decode(req)
+
+
+def test_the_requests_match_is_used_as_is() -> None:
     rng = random.Random(7)
     chain = [rng.getrandbits(62) for _ in range(8)]
     d = KvDirectory()
@@ -125,25 +137,32 @@ def test_a_passed_match_is_used_as_is() -> None:
     index = router.index()
     for n in range(5):
         index.put(NodeLoad(n, "prefill", True, 0.0, 0, 0, 0, 100))
-    req = RouteRequest(chain, prompt_tokens=len(chain) * BS)
-    assert index.choose_prefill(req, d) == 3
+    req = RouteRequest.matched(d, chain, prompt_tokens=len(chain) * BS)
+    placed = index.choose_prefill(req)
+    assert (placed.node, placed.cached_blocks) == (3, len(chain))
+    assert placed.ttft_s is not None
+    assert placed.ttft_s > 0
     # The match of another moment (nothing cached) is what the index scores.
-    assert index.choose_prefill(req, d, KvDirectory().match(chain)) == 0
+    empty = RouteRequest.matched(KvDirectory(), chain, prompt_tokens=len(chain) * BS)
+    assert (index.choose_prefill(empty).node, index.choose_prefill(empty).cached_blocks) == (0, 0)
+    # No match, no prefill choice: a clear error rather than a directory read behind its back.
+    with pytest.raises(ValueError, match=r"RouteRequest\.matched"):
+        index.choose_prefill(RouteRequest(chain, prompt_tokens=len(chain) * BS))
 
 
 def test_membership_follows_state_and_phase() -> None:
     index = LeastLoadedRouter(block_size=BS).index()
     index.put(NodeLoad(2, "prefill", True, 0.0, 10, 0, 0, 100))
     index.put(NodeLoad(1, "prefill", True, 0.0, 10, 0, 0, 100))
-    req = RouteRequest([], prompt_tokens=5)
+    req = RouteRequest.matched(KvDirectory(), [], prompt_tokens=5)
     assert index.accepting("prefill") == 2
-    assert index.choose_prefill(req, KvDirectory()) == 1  # tie: lowest id
+    assert index.choose_prefill(req).node == 1  # tie: lowest id
     index.put(NodeLoad(1, "prefill", False, 0.0, 0, 0, 0, 100))  # draining
-    assert index.choose_prefill(req, KvDirectory()) == 2
+    assert index.choose_prefill(req).node == 2
     index.put(NodeLoad(1, "decode", True, 0.0, 0, 0, 0, 100))  # switched
     index.put(NodeLoad(2, "decode", True, 0.0, 0, 0, 0, 100))
     assert index.accepting("prefill") == 0
     assert index.accepting("decode") == 2
     with pytest.raises(NoNodeError):
-        index.choose_prefill(req, KvDirectory())
-    assert index.choose_decode(req, KvDirectory()) == 1
+        index.choose_prefill(req)
+    assert index.choose_decode(req) == 1

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.planner.base import Split
-from evolving_infra.sim.agents import AgentReplay, SimRequest
+from evolving_infra.sim.agents import AgentReplay
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.policies import static

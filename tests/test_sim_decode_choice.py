@@ -17,8 +17,8 @@ import pytest
 from evolving_infra.planner.base import Split
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import SimConfig
-from evolving_infra.sim.node import blocks_for
 from evolving_infra.sim.policies import ARROW, static
+from evolving_infra.types import blocks_for
 from evolving_infra.workloads.generators import SlotPlan, generate
 
 

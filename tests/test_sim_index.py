@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
-from evolving_infra import KvDirectory, PrefixMatch
 from evolving_infra.planner.base import Split
-from evolving_infra.routing.base import NodeLoad, RouteRequest
+from evolving_infra.routing.base import NodeLoad, Placement, RouteRequest
 from evolving_infra.routing.index import LoadIndex
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.policies import policy, static
 from evolving_infra.workloads.generators import SlotPlan, generate
+
+T = TypeVar("T")
 
 
 class Checked(LoadIndex):
@@ -30,7 +31,6 @@ class Checked(LoadIndex):
     def __init__(self, cluster: Cluster, inner: LoadIndex) -> None:
         super().__init__()
         self.cluster, self.inner = cluster, inner
-        self.matches = inner.matches
         self.choices = 0
 
     def put(self, load: NodeLoad) -> None:
@@ -55,7 +55,7 @@ class Checked(LoadIndex):
         assert [x for x in fresh if x.accepting] == self.inner.members(phase)  # type: ignore[arg-type]
         return fresh
 
-    def _both(self, stateless: Callable[[], int], indexed: Callable[[], int]) -> int:
+    def _both(self, stateless: Callable[[], T], indexed: Callable[[], T]) -> T:
         """Both answers, from the same random state when the router draws among ties (the
         index shares its router's generator): the same node and the same draws."""
         rng: random.Random | None = getattr(self.cluster.router, "rng", None)
@@ -69,18 +69,16 @@ class Checked(LoadIndex):
         self.choices += 1
         return want
 
-    def choose_prefill(
-        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
-    ) -> int:
+    def choose_prefill(self, request: RouteRequest) -> Placement:
         return self._both(
-            lambda: self.cluster.router.choose_prefill(request, self._views("prefill"), directory),
-            lambda: self.inner.choose_prefill(request, directory, match),
+            lambda: self.cluster.router.choose_prefill(request, self._views("prefill")),
+            lambda: self.inner.choose_prefill(request),
         )
 
-    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+    def choose_decode(self, request: RouteRequest) -> int:
         return self._both(
-            lambda: self.cluster.router.choose_decode(request, self._views("decode"), directory),
-            lambda: self.inner.choose_decode(request, directory),
+            lambda: self.cluster.router.choose_decode(request, self._views("decode")),
+            lambda: self.inner.choose_decode(request),
         )
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from evolving_infra import KvDirectory
-from evolving_infra.sim.kv import NodeKv
+from evolving_infra.nodemodel.kv import NodeKv
 
 
 def chain(rng: random.Random, n: int, prefix: list[int] | None = None) -> list[int]:

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from evolving_infra.nodemodel.kv import BlockParents
 from evolving_infra.planner.base import Split
 from evolving_infra.planner.slices import Slices
 from evolving_infra.routing.dynamo import DynamoRouter
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import DecodeAllocation, SimConfig
-from evolving_infra.sim.kv import BlockParents
 from evolving_infra.sim.planning import node_samples, sample_nodes
 from evolving_infra.sim.policies import PolicyContext, PolicySpec, policy, static
 from evolving_infra.sim.run import BEST_STATIC, compare

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.planner.base import Split, SwitchMode
-from evolving_infra.sim.agents import SimRequest
 from evolving_infra.sim.cluster import Cluster
 from evolving_infra.sim.config import DecodeAllocation, SimConfig
 from evolving_infra.sim.policies import PolicyContext, static

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from evolving_infra.engines.pool.master import free_ports
+from evolving_infra.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 PIP_TIMEOUT_S = 600

@@ -5,7 +5,7 @@ JSON, its pages' KV events) that live for one request. glibc serves allocations 
 threshold (128 KiB) with `mmap` and returns them on free, but its *dynamic* threshold rises to
 the size of every mmapped chunk freed (up to 32 MiB), after which such buffers come from the heap
 and, freed, stay there as fragments the process keeps: under `make soak` the engines' free heap
-bytes grew from ~35 to ~100 MiB in five minutes while what they used did not (`soak/memtrace.py`
+bytes grew from ~35 to ~100 MiB in five minutes while what they used did not (`memtrace.py`
 figures in docs/reliability.md). Fixing the threshold keeps large transient buffers out of the
 heap. `EVOLVING_INFRA_MALLOC=default` leaves glibc's behaviour alone.
 """

@@ -3,7 +3,7 @@
 `check_listen(host, port, flag)` raises `PortInUseError` when another process listens there
 and `CannotListenError` when the host is not an address of this machine, each naming the flag
 that sets it; `listen_error` words a bind failure that slipped past the check (a port taken in
-between) the same way.
+between) the same way. `free_ports` picks ports for processes a command starts itself.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import socket
 from evolving_infra.errors import CommandError, os_error_line
 
 WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
+LOOPBACK = "127.0.0.1"  # where a command's own processes listen
 
 
 class PortInUseError(CommandError):
@@ -97,3 +98,22 @@ def listen_error(
             f"ports below 1024 need root; choose another with {flag}",
         )
     return CommandError(f"cannot listen on {_address(host, port)}: {os_error_line(e)}")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports the kernel reports free on loopback right now.
+
+    All sockets stay open until every port is picked, so the kernel cannot hand one out twice;
+    another process can still take one before its user binds it (the pool master's `start`
+    retries).
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()

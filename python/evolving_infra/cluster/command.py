@@ -41,11 +41,10 @@ from evolving_infra.argtypes import (
     positive_seconds,
 )
 from evolving_infra.engines.pool.errors import MooncakeMissingError
-from evolving_infra.engines.pool.master import free_ports
 from evolving_infra.engines.sim.command import check_deployment
 from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.errors import CommandError, one_line
-from evolving_infra.ports import PortInUseError, check_listen, port_taken
+from evolving_infra.ports import LOOPBACK, PortInUseError, check_listen, free_ports, port_taken
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "cluster"
@@ -66,7 +65,6 @@ ENGINE_START_ATTEMPTS = 3
 # What an engine prints, and exits with status 2, when one of its ports is taken
 # (`ports.PortInUseError`, from `engines/sim/command.py`).
 CANNOT_LISTEN = "error: cannot listen"
-LOOPBACK = "127.0.0.1"
 TAIL_LINES = 15
 
 

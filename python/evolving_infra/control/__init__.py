@@ -31,7 +31,6 @@ from evolving_infra.control.records import (
     HintsResult,
     IterationSample,
     KvLocation,
-    Phase,
     PrefetchRequest,
     PrefetchResult,
     SwitchRequest,
@@ -41,6 +40,7 @@ from evolving_infra.control.records import (
     TransferResult,
 )
 from evolving_infra.control.server import EngineControlService, handler, serve
+from evolving_infra.types import Phase
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

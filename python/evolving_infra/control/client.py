@@ -23,7 +23,6 @@ from evolving_infra.control.records import (
     HintsResult,
     IterationSample,
     KvLocation,
-    Phase,
     PrefetchRequest,
     PrefetchResult,
     SwitchRequest,
@@ -34,6 +33,7 @@ from evolving_infra.control.records import (
 from evolving_infra.control.server import CHANNEL_OPTIONS
 from evolving_infra.control.v1 import engine_pb2 as pb
 from evolving_infra.control.v1.engine_pb2_grpc import EngineControlStub
+from evolving_infra.types import Phase
 
 DEFAULT_TIMEOUT_S = 10.0
 

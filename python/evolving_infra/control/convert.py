@@ -20,7 +20,6 @@ from evolving_infra.control.records import (
     HintsResult,
     IterationSample,
     KvLocation,
-    Phase,
     PrefetchRequest,
     PrefetchResult,
     SwitchRequest,
@@ -30,6 +29,7 @@ from evolving_infra.control.records import (
     TransferResult,
 )
 from evolving_infra.control.v1 import engine_pb2 as pb
+from evolving_infra.types import Phase
 
 _K = TypeVar("_K", bound=str)
 

@@ -15,10 +15,8 @@ from typing import Literal
 
 from evolving_infra.control.errors import InvalidRequestError
 from evolving_infra.timing.samples import Sample, from_forward_pass_metrics
+from evolving_infra.types import Phase
 
-# The same literal as `evolving_infra.routing.base.Phase` (and `timing.samples.Sample.phase`);
-# spelled out here so an engine sidecar does not import the routing policies.
-Phase = Literal["prefill", "decode"]
 Tier = Literal["L1", "L2", "pool"]  # "L1"/"L2" as in the KV directory; "pool": the shared L2 pool
 HealthState = Literal["serving", "draining", "switching", "down"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from evolving_infra.planner.base import SliceStats, thin
 from evolving_infra.planner.reuse import Reuse, ReuseTracker
-from evolving_infra.routing.base import Phase
+from evolving_infra.types import Phase
 
 
 @dataclass(frozen=True, slots=True)

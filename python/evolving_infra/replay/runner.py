@@ -43,10 +43,11 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 import structlog
 
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.replay import client
 from evolving_infra.replay.prompts import PromptTokens
 from evolving_infra.replay.summary import Outcome, Summary, summarize
-from evolving_infra.sim.agents import AgentReplay, SimRequest
+from evolving_infra.sim.agents import AgentReplay
 from evolving_infra.workloads.model import BranchKind, Trace
 from evolving_infra.workloads.stats import IdealCache
 

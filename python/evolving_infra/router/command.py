@@ -13,12 +13,11 @@ import signal
 
 import structlog
 
-from evolving_infra import malloc
+from evolving_infra import malloc, memtrace
 from evolving_infra.ports import check_listen, listen_error
 from evolving_infra.router import config
 from evolving_infra.router.app import configure_json_logging
 from evolving_infra.router.daemon import RouterDaemon
-from evolving_infra.soak import memtrace
 
 NAME = "router"
 HELP = config.HELP

@@ -427,7 +427,7 @@ class RouterDaemon:
         return out
 
     def memory_stats(self) -> dict[str, Any]:
-        """The sizes of what the router keeps, for memory traces (`soak/memtrace.py`)."""
+        """The sizes of what the router keeps, for memory traces (`memtrace.py`)."""
         d = self.directory.stats()
         return {
             "directory_blocks": d["blocks"],

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from evolving_infra.routing.base import NodeLoad, Phase
+from evolving_infra.routing.base import NodeLoad
+from evolving_infra.types import Phase
 
 EngineState = Literal["up", "draining", "down"]
 

@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import structlog
 
-from evolving_infra._core import KvDirectory, PrefixMatch
+from evolving_infra._core import KvDirectory
 from evolving_infra.planner.slices import Slices
 from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import (
@@ -47,9 +48,10 @@ from evolving_infra.router.dispatcher import (
     TextPiece,
 )
 from evolving_infra.router.loads import EngineHandle, EngineState, LoadTracker
-from evolving_infra.routing.base import Phase, Router, RouteRequest
-from evolving_infra.routing.common import NoNodeError, blocks_for
+from evolving_infra.routing.base import Router, RouteRequest
+from evolving_infra.routing.common import NoNodeError
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.types import Phase, blocks_for
 
 log = structlog.get_logger("evolving_infra.router.pd")
 
@@ -207,9 +209,7 @@ class PdDispatcher:
         """The decode engine the policy picks for `route` with the gate's commitments counted
         (the gate queues the request there); -1 if none is up."""
         try:
-            return self.router.choose_decode(
-                route, self.loads.view(self._up_decode(), extra), self.directory
-            )
+            return self.router.choose_decode(route, self.loads.view(self._up_decode(), extra))
         except NoNodeError:
             return -1
 
@@ -240,25 +240,24 @@ class PdDispatcher:
         nodes = self.loads.view(engines, self.gate.extra() if self.gate is not None else None)
         if route is None:
             route = self._route(req)
-        # One match per request: the policy reads the same match as the placement below (it
-        # matched once more before, and the ingestion threads may change the directory between).
-        match = self.directory.match(route.hashes)
-        directory = cast(KvDirectory, _Matched(self.directory, route.hashes, match))
+        # Matched now, once, for the policy and the prefill's size below: a request the gate
+        # held has waited while the directory changed, and the ingestion threads may change it
+        # again in between.
+        route = dataclasses.replace(route, match=self.directory.match(route.hashes))
         try:
-            p = self.router.choose_prefill(route, nodes, directory)
+            placed = self.router.choose_prefill(route, nodes)
             given = self.engines.get(decode) if decode is not None else None
             if given is not None and given.phase == "decode" and given.state == "up":
                 d = given.node
             else:
-                d = self.router.choose_decode(route, nodes, directory)
+                d = self.router.choose_decode(route, nodes)
         except NoNodeError as e:
             raise NoEngineError(f"{e}; engines: {self._states()}") from None
-        l12 = match.node(p)[1]
         t = route.prompt_tokens
-        uncached = max(t - min(l12 * self.page_size, t), 1)
+        uncached = max(t - min(placed.cached_blocks * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)
         blocks = self._decode_blocks(req)
-        return _Placement(self.engines[p], self.engines[d], seconds, uncached, blocks)
+        return _Placement(self.engines[placed.node], self.engines[d], seconds, uncached, blocks)
 
     def _decode_blocks(self, req: PreparedRequest) -> int:
         """KV blocks the router counts for `req` on its decode node: prompt and `max_tokens`
@@ -529,20 +528,6 @@ class _Request:
     async def __aexit__(self, *exc: object) -> None:
         if self.resp is not None:
             self.resp.release()
-
-
-class _Matched:
-    """The directory as a policy reads it while one request is placed: the match of that
-    request's hashes taken once (any other call goes to the directory)."""
-
-    def __init__(self, directory: KvDirectory, hashes: Sequence[int], match: PrefixMatch) -> None:
-        self._directory, self._hashes, self._match = directory, hashes, match
-
-    def match(self, hashes: Sequence[int]) -> PrefixMatch:
-        return self._match if hashes is self._hashes else self._directory.match(hashes)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._directory, name)
 
 
 async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:

@@ -26,8 +26,8 @@ from evolving_infra.planner.base import Split
 from evolving_infra.planner.evolving import EvolvingPlanner
 from evolving_infra.planner.slices import NodeSample, Slices
 from evolving_infra.router.pd import PdDispatcher
-from evolving_infra.routing.base import Phase
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.types import Phase
 
 log = structlog.get_logger("evolving_infra.router.planning")
 

@@ -7,7 +7,7 @@ them the same way; policies ignore what they do not use.
 
 from collections.abc import Callable
 
-from evolving_infra.routing.base import NodeLoad, Router, RouteRequest
+from evolving_infra.routing.base import NodeLoad, Placement, Router, RouteRequest
 from evolving_infra.routing.common import NoNodeError
 from evolving_infra.routing.dynamo import DynamoRouter
 from evolving_infra.routing.evolving import EvolvingRouter
@@ -29,6 +29,7 @@ __all__ = [
     "LeastLoadedRouter",
     "NoNodeError",
     "NodeLoad",
+    "Placement",
     "RouteRequest",
     "Router",
     "RouterFactory",

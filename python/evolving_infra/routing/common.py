@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
+from evolving_infra.routing.base import NodeLoad, RouteRequest
+from evolving_infra.types import Phase, blocks_for
 
 
 class NoNodeError(LookupError):
@@ -26,11 +27,6 @@ def candidates(nodes: Sequence[NodeLoad], phase: Phase) -> list[NodeLoad]:
     if not out:
         raise NoNodeError(phase)
     return out
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """KV blocks `tokens` occupy: a partial block still takes a whole page."""
-    return -(-max(tokens, 0) // block_size)
 
 
 def decode_blocks_needed(request: RouteRequest, block_size: int) -> int:

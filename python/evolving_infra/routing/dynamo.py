@@ -46,10 +46,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from evolving_infra._core import KvDirectory, PrefixMatch
-from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
-from evolving_infra.routing.common import blocks_for, candidates
+from evolving_infra.routing.base import NodeLoad, Placement, RouteRequest
+from evolving_infra.routing.common import candidates
 from evolving_infra.routing.index import LoadIndex, keys, minima
+from evolving_infra.types import Phase, blocks_for
 
 
 def pick(tied: Sequence[int], rng: random.Random) -> int:
@@ -104,11 +104,9 @@ class DynamoRouter:
         decode = node.active_blocks + blocks_for(request.prompt_tokens, bs)
         return self.prefill_load_scale * adjusted + decode
 
-    def costs(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> dict[int, float]:
+    def costs(self, request: RouteRequest, nodes: Sequence[NodeLoad]) -> dict[int, float]:
         """Cost per accepting prefill node (what `choose_prefill` minimises)."""
-        match = directory.match(request.hashes)
+        match = request.prefix()
         held = match.nodes
         pool = match.pool
         out: dict[int, float] = {}
@@ -117,14 +115,10 @@ class DynamoRouter:
             out[n.node] = self.cost(request, n, l1, l12, pool)
         return out
 
-    def choose_prefill(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> int:
-        return cheapest(self.costs(request, nodes, directory), self.rng)
+    def choose_prefill(self, request: RouteRequest, nodes: Sequence[NodeLoad]) -> Placement:
+        return Placement.on(request, cheapest(self.costs(request, nodes), self.rng))
 
-    def choose_decode(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> int:
+    def choose_decode(self, request: RouteRequest, nodes: Sequence[NodeLoad]) -> int:
         # The request's own blocks add the same to every worker: the fewest active blocks win.
         cands = candidates(nodes, "decode")
         best = min(n.active_blocks for n in cands)
@@ -175,15 +169,12 @@ class DynamoIndex(LoadIndex):
     def _write(self, phase: Phase, slot: int, load: NodeLoad) -> None:
         (self._prefill if phase == "prefill" else self._decode)[slot] = self._key(phase, load)
 
-    def choose_prefill(
-        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
-    ) -> int:
+    def choose_prefill(self, request: RouteRequest) -> Placement:
         ids = self._need("prefill")
         r = self.router
         if not self.exact:
-            return r.choose_prefill(request, self.members("prefill"), directory)
-        if match is None:
-            match = directory.match(request.hashes)
+            return r.choose_prefill(request, self.members("prefill"))
+        match = request.prefix()
         pool = match.pool
         slot = self._slot["prefill"]
         costs: dict[int, float] = {}
@@ -197,8 +188,8 @@ class DynamoIndex(LoadIndex):
         if rest:
             cost = r.cost(request, self.loads[ids[rest[0]]], 0, 0, pool)
             costs.update((ids[k], cost) for k in rest)
-        return cheapest(costs, r.rng)
+        return Placement.on(request, cheapest(costs, r.rng))
 
-    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+    def choose_decode(self, request: RouteRequest) -> int:
         ids = self._need("decode")
         return pick([ids[k] for k in minima(self._decode, [])], self.router.rng)

@@ -20,8 +20,7 @@ from typing import Literal
 
 import numpy as np
 
-from evolving_infra._core import KvDirectory, PrefixMatch
-from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
+from evolving_infra.routing.base import NodeLoad, Placement, RouteRequest
 from evolving_infra.routing.common import candidates, most_free_decode
 from evolving_infra.routing.index import LoadIndex, keys, most_free_key
 from evolving_infra.timing.model import IterationModel
@@ -31,6 +30,7 @@ from evolving_infra.timing.ttft import (
     TTFTPredictor,
     observe_bandwidth,
 )
+from evolving_infra.types import Phase
 
 # Distinct prefill node sets kept: the set changes only at a phase switch or a node going down,
 # so a handful covers a run; the bound only stops a pathological driver from leaking memory.
@@ -66,9 +66,7 @@ class EvolvingRouter:
 
     # -- prefill ------------------------------------------------------------------------------
 
-    def predict_prefill(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> tuple[int, float]:
+    def choose_prefill(self, request: RouteRequest, nodes: Sequence[NodeLoad]) -> Placement:
         """The accepting prefill node with the least predicted TTFT, and that TTFT in seconds
         (ties: lowest node id)."""
         cands = candidates(nodes, "prefill")
@@ -78,12 +76,8 @@ class EvolvingRouter:
         q = pred.queue
         for k, n in enumerate(cands):
             q[k] = n.queued_prefill_s if n.queued_prefill_s > 0 else 0.0
-        return pred.choose(directory.match(request.hashes), max(request.prompt_tokens, 1))
-
-    def choose_prefill(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> int:
-        return self.predict_prefill(request, nodes, directory)[0]
+        node, ttft = pred.choose(request.prefix(), max(request.prompt_tokens, 1))
+        return Placement.on(request, node, ttft)
 
     def observe_fetch(self, path: Literal["l2", "pool"], nbytes: int, seconds: float) -> None:
         """A measured L2 (`l2`) or shared-pool (`pool`) to GPU transfer: same moving average as
@@ -114,9 +108,7 @@ class EvolvingRouter:
 
     # -- decode -------------------------------------------------------------------------------
 
-    def choose_decode(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> int:
+    def choose_decode(self, request: RouteRequest, nodes: Sequence[NodeLoad]) -> int:
         return most_free_decode(request, nodes, self.block_size)
 
     def index(self) -> EvolvingIndex:
@@ -156,14 +148,11 @@ class EvolvingIndex(LoadIndex):
         else:
             self._decode[slot] = most_free_key(load)
 
-    def choose_prefill(
-        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
-    ) -> int:
+    def choose_prefill(self, request: RouteRequest) -> Placement:
         self._need("prefill")
         assert self._pred is not None
-        if match is None:
-            match = directory.match(request.hashes)
-        return self._pred.choose(match, max(request.prompt_tokens, 1))[0]
+        node, ttft = self._pred.choose(request.prefix(), max(request.prompt_tokens, 1))
+        return Placement.on(request, node, ttft)
 
-    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+    def choose_decode(self, request: RouteRequest) -> int:
         return self._need("decode")[int(self._decode.argmin())]

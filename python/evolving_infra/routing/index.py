@@ -1,6 +1,6 @@
 """Load indexes: a router's choice kept up to date one node at a time.
 
-The stateless entry points (`Router.choose_prefill(request, nodes, directory)`) take every node's
+The stateless entry points (`Router.choose_prefill(request, nodes)`) take every node's
 `NodeLoad` on every call: right for the live router (tens of engines, views rebuilt from their
 metrics), but at 3,072 GPUs (768 nodes) the simulator spent milliseconds per request building
 768 views, filtering, sorting and scanning them. An index is told a node's view when it changes
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from evolving_infra._core import KvDirectory, PrefixMatch
-from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
+from evolving_infra.routing.base import NodeLoad, Placement, RouteRequest
 from evolving_infra.routing.common import NoNodeError
+from evolving_infra.types import Phase
 
 IntArray = npt.NDArray[np.int64]
 
@@ -38,13 +38,7 @@ class LoadIndex:
     Membership (accepting, phase) changes only when a node drains, switches or goes down: the
     columns of a phase are then rebuilt, lazily, at its next choice. Any other change writes one
     slot (`_write`).
-
-    `matches`: the prefill choice reads the directory's match of the prompt. A driver that needs
-    the same match right after (the simulator's node estimating the cached prefix) may compute
-    it once and pass it in; the directory must not change in between.
     """
-
-    matches = True
 
     def __init__(self) -> None:
         self.loads: dict[int, NodeLoad] = {}  # every node's latest view
@@ -98,12 +92,10 @@ class LoadIndex:
     def _write(self, phase: Phase, slot: int, load: NodeLoad) -> None:
         """Slot `slot` of `phase`'s columns now shows `load`."""
 
-    def choose_prefill(
-        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
-    ) -> int:
+    def choose_prefill(self, request: RouteRequest) -> Placement:
         raise NotImplementedError
 
-    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+    def choose_decode(self, request: RouteRequest) -> int:
         raise NotImplementedError
 
 

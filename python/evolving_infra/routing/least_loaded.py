@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from evolving_infra._core import KvDirectory, PrefixMatch
-from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
+from evolving_infra.routing.base import NodeLoad, Placement, RouteRequest
 from evolving_infra.routing.common import candidates, decode_blocks_needed, free_blocks
 from evolving_infra.routing.index import NO_KEY, SHIFT, LoadIndex, keys, most_free_key
+from evolving_infra.types import Phase
 
 
 class LeastLoadedRouter:
@@ -35,15 +35,11 @@ class LeastLoadedRouter:
             raise ValueError("block_size must be > 0")
         self.block_size = block_size
 
-    def choose_prefill(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> int:
+    def choose_prefill(self, request: RouteRequest, nodes: Sequence[NodeLoad]) -> Placement:
         best = min(candidates(nodes, "prefill"), key=lambda n: (n.queued_prefill_tokens, n.node))
-        return best.node
+        return Placement.on(request, best.node)
 
-    def choose_decode(
-        self, request: RouteRequest, nodes: Sequence[NodeLoad], directory: KvDirectory
-    ) -> int:
+    def choose_decode(self, request: RouteRequest, nodes: Sequence[NodeLoad]) -> int:
         cands = candidates(nodes, "decode")
         need = decode_blocks_needed(request, self.block_size)
         fitting = [n for n in cands if free_blocks(n) >= need]
@@ -60,8 +56,6 @@ class LeastLoadedIndex(LoadIndex):
     """`LeastLoadedRouter`'s choices kept up to date per node (`routing.index`): argmin of the
     queued tokens for prefill; for decode, free blocks per node, the packed `(requests, used)`
     key among the nodes that fit, and the packed `(-free, requests)` key when none does."""
-
-    matches = False  # cache-blind
 
     def __init__(self, router: LeastLoadedRouter) -> None:
         super().__init__()
@@ -88,12 +82,10 @@ class LeastLoadedIndex(LoadIndex):
         self._fit[slot] = load.decode_requests * SHIFT + load.kv_used_blocks
         self._most_free[slot] = most_free_key(load)
 
-    def choose_prefill(
-        self, request: RouteRequest, directory: KvDirectory, match: PrefixMatch | None = None
-    ) -> int:
-        return self._need("prefill")[int(self._queued.argmin())]
+    def choose_prefill(self, request: RouteRequest) -> Placement:
+        return Placement.on(request, self._need("prefill")[int(self._queued.argmin())])
 
-    def choose_decode(self, request: RouteRequest, directory: KvDirectory) -> int:
+    def choose_decode(self, request: RouteRequest) -> int:
         ids = self._need("decode")
         need = decode_blocks_needed(request, self.router.block_size)
         fits = self._free >= need

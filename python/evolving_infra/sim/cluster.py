@@ -25,18 +25,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from evolving_infra._core import KvDirectory
+from evolving_infra.nodemodel.kv import NodeKv
+from evolving_infra.nodemodel.node import Node, NodeSettings
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.planner.slices import Slices
-from evolving_infra.routing.base import NodeLoad, Phase, RouteRequest
+from evolving_infra.routing.base import NodeLoad, RouteRequest
 from evolving_infra.routing.index import LoadIndex
-from evolving_infra.sim.agents import AgentReplay, SimRequest
+from evolving_infra.sim.agents import AgentReplay
 from evolving_infra.sim.config import SimConfig
-from evolving_infra.sim.kv import NodeKv
 from evolving_infra.sim.metrics import Recorder
-from evolving_infra.sim.node import Node, NodeSettings, blocks_for
 from evolving_infra.sim.planning import Switcher, sample_nodes
 from evolving_infra.sim.policies import PolicyContext, PolicySpec
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.truth import RooflineTruth
+from evolving_infra.types import Phase, blocks_for
 from evolving_infra.workloads.model import Trace
 
 Progress = Callable[[float], None]
@@ -285,15 +287,14 @@ class Cluster:
         if not self._accepting("prefill"):
             self.pending_prefill.append(req)
             return
-        rr = RouteRequest(req.hashes, req.prompt_tokens, 0, req.key)
-        index, match = self.index, None
-        if index is not None:
-            # One match for the router and the node's cached-prefix estimate: nothing changes
-            # the directory in between.
-            match = self.directory.match(req.hashes) if index.matches else None
-            p = index.choose_prefill(rr, self.directory, match)
+        # One match for the router and the node's cached-prefix estimate: nothing changes the
+        # directory in between.
+        rr = RouteRequest.matched(self.directory, req.hashes, req.prompt_tokens, 0, req.key)
+        match = rr.prefix()
+        if self.index is not None:
+            p = self.index.choose_prefill(rr).node
         else:
-            p = self.router.choose_prefill(rr, self._loads("prefill"), self.directory)
+            p = self.router.choose_prefill(rr, self._loads("prefill")).node
         node = self._check(p, "prefill")
         # A request a draining node handed back (placed before) is not a new arrival.
         first = req.prefill_node < 0
@@ -316,9 +317,9 @@ class Cluster:
         # The output the node reserves, as the live router passes `max_tokens`.
         rr = RouteRequest(req.hashes, req.prompt_tokens, req.output_tokens, req.key)
         if self.index is not None:
-            d = self.index.choose_decode(rr, self.directory)
+            d = self.index.choose_decode(rr)
         else:
-            d = self.router.choose_decode(rr, self._loads("decode"), self.directory)
+            d = self.router.choose_decode(rr, self._loads("decode"))
         admitted = self._check(d, "decode").offer(req, self.now)
         self._dirty.add(d)
         if admitted:

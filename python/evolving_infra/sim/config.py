@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from evolving_infra.nodemodel.hardware import HOST_MEMORY_PER_GPU, NodeHardware
 from evolving_infra.planner.base import Split
 from evolving_infra.timing.specs import (
     ACTIVATION_RESERVE_PER_GPU,
@@ -22,11 +23,6 @@ from evolving_infra.timing.specs import (
     deployment_name,
 )
 from evolving_infra.timing.ttft import DEFAULT_L2_BANDWIDTH, DEFAULT_POOL_BANDWIDTH
-
-# 1 TiB of host memory per 8-GPU server (docs/simulator.md), shared pro rata by its nodes.
-HOST_MEMORY_PER_GPU = 2**40 / 8
-# Far-future last-access time: how a running request pins its blocks (see `kv.py`).
-PIN_TIME = 1e15
 
 DecodeAllocation = Literal["prefill_complete", "early"]
 DECODE_ALLOCATIONS: tuple[DecodeAllocation, ...] = ("prefill_complete", "early")
@@ -48,11 +44,8 @@ class SimConfig:
     block_size: int | None = None  # tokens per KV page; None: the trace's block size
     # SGLang's default `chunked_prefill_size`: the token budget of one prefill iteration.
     chunk_tokens: int = 8192
-    # KV transfers, bytes/s per GPU; a node's KV is sharded over its `tp` GPUs, which move
-    # their shards in parallel, so a node's figure is `tp` times these (`pd_bandwidth`, ...).
-    # Assumptions, the TTFT predictor's defaults (timing/ttft.py): one 200 Gb/s RDMA NIC per
-    # GPU (~25 GB/s) carries P->D transfers, reads of another node's L1 and of the shared pool
-    # (other nodes' L2); host memory -> GPU over PCIe Gen5 x16 reaches ~50 GB/s.
+    # KV transfers, bytes/s per GPU; a node's figure is `tp` times these (`NodeHardware`,
+    # whose defaults these are).
     net_bandwidth_per_gpu: float = DEFAULT_POOL_BANDWIDTH
     l2_bandwidth_per_gpu: float = DEFAULT_L2_BANDWIDTH
     transfer_latency: float = 1e-3  # seconds per KV transfer: RDMA setup and handshake
@@ -114,48 +107,53 @@ class SimConfig:
             s = self.initial_split
             if s.prefill < 1 or s.decode < 1 or s.prefill + s.decode != self.nodes:
                 raise ValueError(f"initial split {s} is not a split of {self.nodes} nodes")
-        if self.l1_bytes <= 0:
-            raise ValueError("the model's weights leave no GPU memory for KV")
+        _ = self.hardware  # `NodeHardware` raises when the weights leave no memory for KV
 
     @property
     def nodes(self) -> int:
         return self.gpus // self.deployment.tp
 
     @property
+    def hardware(self) -> NodeHardware:
+        """Each node's capacities and bandwidths (`nodemodel.hardware`)."""
+        return NodeHardware(
+            deployment=self.deployment,
+            net_bandwidth_per_gpu=self.net_bandwidth_per_gpu,
+            l2_bandwidth_per_gpu=self.l2_bandwidth_per_gpu,
+            host_memory_per_gpu=self.host_memory_per_gpu,
+            mem_fraction=self.mem_fraction,
+            activation_reserve_per_gpu=self.activation_reserve_per_gpu,
+        )
+
+    # The node figures the simulator reads (`NodeHardware`'s).
+    @property
     def pd_bandwidth(self) -> float:
-        """Bytes/s of a P->D transfer, or of a read of another node's L1."""
-        return self.net_bandwidth_per_gpu * self.deployment.tp
+        return self.hardware.pd_bandwidth
 
     @property
     def pool_bandwidth(self) -> float:
-        """Bytes/s of a read from another node's L2 (the shared pool)."""
-        return self.net_bandwidth_per_gpu * self.deployment.tp
+        return self.hardware.pool_bandwidth
 
     @property
     def l2_bandwidth(self) -> float:
-        """Bytes/s from the node's own host memory to its GPUs."""
-        return self.l2_bandwidth_per_gpu * self.deployment.tp
+        return self.hardware.l2_bandwidth
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Node memory one cached token takes (`Deployment.kv_bytes_per_token`: MLA's latent
-        on every GPU). Capacities divide by it; transfers and host-memory loads move it, each
-        GPU its own copy or shard at the per-GPU bandwidth, so a node's time is it over the
-        node's bandwidth."""
-        return round(self.deployment.kv_bytes_per_token)
+        return self.hardware.kv_bytes_per_token
 
     @property
     def l1_bytes(self) -> float:
-        return self.deployment.kv_bytes(self.mem_fraction, self.activation_reserve_per_gpu)
+        return self.hardware.l1_bytes
 
     def block_bytes(self, block_size: int) -> int:
-        return block_size * self.kv_bytes_per_token
+        return self.hardware.block_bytes(block_size)
 
     def l1_blocks(self, block_size: int) -> int:
-        return int(self.l1_bytes // self.block_bytes(block_size))
+        return self.hardware.l1_blocks(block_size)
 
     def l2_blocks(self, block_size: int) -> int:
-        return int(self.host_memory_per_gpu * self.deployment.tp // self.block_bytes(block_size))
+        return self.hardware.l2_blocks(block_size)
 
     def split(self) -> Split:
         if self.initial_split is not None:

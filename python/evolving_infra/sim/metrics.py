@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from evolving_infra.sim.agents import SimRequest
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.sim.planning import SwitchLog
 from evolving_infra.workloads.stats import IdealCache
 

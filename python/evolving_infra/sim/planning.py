@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from evolving_infra.nodemodel.node import Node
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.planner.base import Planner, Split, SwitchMode
 from evolving_infra.planner.slices import NodeSample, Slices
-from evolving_infra.sim.agents import SimRequest
-from evolving_infra.sim.node import Node
 
 
 def sample_nodes(slices: Slices, nodes: Sequence[Node]) -> None:

@@ -30,15 +30,14 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from evolving_infra.timing.samples import BadSampleError, PrefillBatch, Sample, TimingError
 from evolving_infra.timing.specs import Deployment, ModelConfig
+from evolving_infra.types import Phase
 
-Phase = Literal["prefill", "decode"]
 FloatArray = npt.NDArray[np.float64]
 
 MAX_SECONDS = 3600.0  # no engine iteration takes an hour: such a sample is a clock bug

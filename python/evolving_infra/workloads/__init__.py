@@ -7,7 +7,8 @@ the nominal replay order; `generators/` the seeded synthetic workloads; `samplin
 agents drawn from a trace set; `stats` the statistics and h*; `command` the `trace` CLI.
 """
 
-from evolving_infra.workloads.blocks import BlockHash, PromptHasher, chain_hashes
+from evolving_infra.types import BlockHash
+from evolving_infra.workloads.blocks import PromptHasher, chain_hashes
 from evolving_infra.workloads.claude_code import (
     BLOCK_SIZE,
     CcRequest,

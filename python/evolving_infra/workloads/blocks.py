@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Container, Sequence
-from typing import NewType, cast
+from typing import cast
 
 import numpy as np
 
 from evolving_infra._core import trace_chain
+from evolving_infra.types import BlockHash
 from evolving_infra.workloads.model import (
     Agent,
     AgentId,
@@ -30,8 +31,6 @@ from evolving_infra.workloads.model import (
     Request,
     Trace,
 )
-
-BlockHash = NewType("BlockHash", int)
 
 # NOTE: the person string separates these digests from any other use of blake2b; changing it
 # changes every block hash derived from a trace (it dates from the first, Claude Code, importer).

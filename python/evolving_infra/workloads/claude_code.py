@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NewType
 
-from evolving_infra.workloads.blocks import BlockHash, chain_hashes, common_prefix
+from evolving_infra.types import BlockHash
+from evolving_infra.workloads.blocks import chain_hashes, common_prefix
 from evolving_infra.workloads.errors import TraceFormatError
 from evolving_infra.workloads.files import read_bytes
 from evolving_infra.workloads.model import I64_MAX, I64_MIN, BranchId

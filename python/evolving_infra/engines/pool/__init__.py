@@ -19,7 +19,6 @@ from evolving_infra.engines.pool.master import MasterAddress, PoolMaster
 from evolving_infra.engines.pool.store import (
     DEFAULT_SCALE,
     AsyncPoolClient,
-    BlockHash,
     PoolClient,
     PoolConfig,
     PoolNamespace,
@@ -28,6 +27,7 @@ from evolving_infra.engines.pool.store import (
 )
 from evolving_infra.engines.pool.transfer import EngineTransfer, Throughput, TransferAddress
 from evolving_infra.engines.pool.wire import synthetic_payload
+from evolving_infra.types import BlockHash
 
 __all__ = [
     "DEFAULT_SCALE",

@@ -30,10 +30,9 @@ from evolving_infra.engines.pool.errors import (
     MasterStartError,
     MooncakeMissingError,
 )
+from evolving_infra.ports import LOOPBACK, free_ports
 
 log = structlog.get_logger(__name__)
-
-LOOPBACK = "127.0.0.1"
 
 
 def mooncake_binary(name: str) -> Path:
@@ -50,24 +49,6 @@ def mooncake_binary(name: str) -> Path:
         if path.is_file() and os.access(path, os.X_OK):
             return path
     raise MooncakeMissingError(f"`{name}` not found in the mooncake package")
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports the kernel reports free on loopback right now.
-
-    All sockets stay open until every port is picked, so the kernel cannot hand one out twice;
-    another process can still take one before the master binds it, which `start` retries.
-    """
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _port_open(port: int) -> bool:

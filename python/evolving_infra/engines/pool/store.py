@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NewType, NoReturn
+from typing import Any, NoReturn
 
 import structlog
 
@@ -50,12 +50,11 @@ from evolving_infra.engines.pool.errors import (
     PoolTimeoutError,
     PoolUnavailableError,
 )
-from evolving_infra.engines.pool.master import LOOPBACK, MasterAddress
+from evolving_infra.engines.pool.master import MasterAddress
+from evolving_infra.ports import LOOPBACK
 from evolving_infra.timing.specs import ModelConfig
 
 log = structlog.get_logger(__name__)
-
-BlockHash = NewType("BlockHash", int)
 
 DEFAULT_SCALE = 1024
 # Mooncake refuses smaller segments (client_buffer_allocation.cpp: "Total size must be at least").

@@ -58,7 +58,6 @@ from evolving_infra.control.records import (
     HealthState,
     HintsResult,
     IterationSample,
-    Phase,
     PrefetchRequest,
     PrefetchResult,
     SwitchRequest,
@@ -83,6 +82,7 @@ from evolving_infra.engines.sglang.streams import (
     KvOccupancy,
     follow_kv_events,
 )
+from evolving_infra.types import Phase
 
 log = structlog.get_logger("evolving_infra.engines.sglang")
 

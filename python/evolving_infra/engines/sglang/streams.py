@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from evolving_infra.control.errors import EngineUnavailableError
-from evolving_infra.control.records import EvictionHints, IterationSample, Phase
+from evolving_infra.control.records import EvictionHints, IterationSample
 from evolving_infra.engines.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -37,6 +37,7 @@ from evolving_infra.engines.events import (
     decode_batch,
 )
 from evolving_infra.engines.samples import decode_message
+from evolving_infra.types import Phase
 
 log = structlog.get_logger("evolving_infra.engines.sglang")
 

@@ -1,9 +1,10 @@
-"""The simulated engine: the simulator's node mechanics behind SGLang's HTTP API, in real time.
+"""The simulated engine: the node model's mechanics behind SGLang's HTTP API, in real time.
 
-`SimEngine` (core.py) runs one `sim.node.Node` and its `sim.kv.NodeKv` under `RealTimeEnv`
-(env.py), an asyncio driver of the same `Env` protocol the discrete-event simulator implements;
-`http.py` serves SGLang 0.5.23's data API over it; `command.py` is `evolving-infra engine
---backend sim`. See docs/simulator.md for the mechanics and core.py for the request lifecycle.
+`SimEngine` (core.py) runs one `nodemodel.node.Node` and its `nodemodel.kv.NodeKv` under
+`RealTimeEnv` (env.py), an asyncio driver of the same `Env` protocol the discrete-event
+simulator implements; `http.py` serves SGLang 0.5.23's data API over it; `command.py` is
+`evolving-infra engine --backend sim`. See docs/simulator.md for the mechanics and core.py
+for the request lifecycle.
 """
 
 from evolving_infra.engines.sim.cache import CacheEvents, KvEventSink, Medium

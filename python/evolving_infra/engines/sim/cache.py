@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Literal, Protocol
 
 from evolving_infra._core import KvDirectory
-from evolving_infra.sim.kv import BlockParents, KvTier
+from evolving_infra.nodemodel.kv import BlockParents, KvTier
 
 Medium = Literal["GPU", "CPU"]  # SGLang's StorageMedium names: GPU = L1, CPU (pinned host) = L2
 MEDIUM: dict[KvTier, Medium] = {"L1": "GPU", "L2": "CPU"}
@@ -48,7 +48,7 @@ class KvEventSink(Protocol):
 
 
 class CacheEvents:
-    """Implements `sim.kv.KvListener` for one engine: held sets, token ids, the sink."""
+    """Implements `nodemodel.kv.KvListener` for one engine: held sets, token ids, the sink."""
 
     def __init__(self, page_size: int, sink: KvEventSink | None = None) -> None:
         self.page_size = page_size
@@ -74,7 +74,7 @@ class CacheEvents:
     def holds(self, h: int) -> bool:
         return h in self.held["L1"] or h in self.held["L2"]
 
-    # -- `sim.kv.KvListener` ------------------------------------------------------------------
+    # -- `nodemodel.kv.KvListener` -------------------------------------------------------------
 
     def stored(self, tier: KvTier, hashes: list[int], parent: int | None) -> None:
         self.held[tier].update(hashes)

@@ -20,7 +20,7 @@ import structlog
 import zmq
 from aiohttp import web
 
-from evolving_infra import logs, malloc
+from evolving_infra import logs, malloc, memtrace
 from evolving_infra.argtypes import (
     natural_int,
     natural_seconds,
@@ -48,7 +48,6 @@ from evolving_infra.engines.sim.publish import ZmqKvSink
 from evolving_infra.engines.sim.service import SimEngine
 from evolving_infra.errors import CommandError
 from evolving_infra.ports import check_listen, listen_error
-from evolving_infra.soak import memtrace
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "engine"
@@ -192,7 +191,7 @@ def check_ports(args: argparse.Namespace, zmq_host: str) -> None:
 def check_deployment(settings: EngineSettings) -> None:
     """Raises `CommandError` when the deployment cannot run (the weights fill the GPUs)."""
     try:
-        settings.config()
+        settings.hardware()
     except ValueError as e:
         d = settings.deployment
         raise CommandError(

@@ -40,10 +40,7 @@ import aiohttp
 import structlog
 
 from evolving_infra._core import KvDirectory, block_hashes
-from evolving_infra.control.records import (
-    IterationSample,
-    Phase,
-)
+from evolving_infra.control.records import IterationSample
 from evolving_infra.engines.pool import PoolConfig
 from evolving_infra.engines.sim.cache import CacheEvents, Hints, KvEventSink
 from evolving_infra.engines.sim.env import RealTimeEnv, SampleSink
@@ -59,11 +56,12 @@ from evolving_infra.engines.sim.requests import (
     planned_output,
     sim_request,
 )
-from evolving_infra.sim.agents import SimRequest
-from evolving_infra.sim.config import SimConfig
-from evolving_infra.sim.kv import BlockParents, NodeKv
-from evolving_infra.sim.node import Node, NodeSettings, blocks_for
+from evolving_infra.nodemodel.hardware import NodeHardware
+from evolving_infra.nodemodel.kv import BlockParents, NodeKv
+from evolving_infra.nodemodel.node import Node, NodeSettings
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment
+from evolving_infra.types import Phase, blocks_for
 
 log = structlog.get_logger("evolving_infra.engines.sim")
 VERSION = "0.1.0-sim"
@@ -101,10 +99,9 @@ class EngineSettings:
     samples_endpoint: str = ""
     pool: PoolConfig | None = None  # the shared L2 pool to join (pool.py); None: L2 is local
 
-    def config(self) -> SimConfig:
-        """The simulator's configuration of this deployment: capacities and bandwidths."""
-        tp = self.deployment.tp
-        return SimConfig(gpus=2 * tp, deployment=self.deployment, chunk_tokens=self.chunk_tokens)
+    def hardware(self) -> NodeHardware:
+        """This deployment's node: capacities and bandwidths (the simulator's defaults)."""
+        return NodeHardware(deployment=self.deployment)
 
 
 @dataclass(slots=True)
@@ -133,7 +130,7 @@ class EngineCore:
             raise ValueError(f"page_size must be >= 1, got {s.page_size}")
         self.settings = s
         self.loop = asyncio.get_running_loop()
-        c = s.config()
+        c = s.hardware()
         ps = s.page_size
         self.block_bytes = c.block_bytes(ps)
         self.kv_bytes_per_token = c.kv_bytes_per_token
@@ -570,7 +567,7 @@ class EngineCore:
         }
 
     def memory_stats(self) -> dict[str, int]:
-        """The sizes of what the engine keeps, for memory traces (`soak/memtrace.py`)."""
+        """The sizes of what the engine keeps, for memory traces (`memtrace.py`)."""
         d = self.directory.stats()
         return {
             "live_requests": len(self._live),

@@ -1,16 +1,15 @@
 """`RealTimeEnv`: the simulator's `Node` driven by an asyncio loop instead of an event heap.
 
-The discrete-event driver (`sim/cluster.py`) implements `sim.node.Env` over a heap of simulated
-times; this class implements the same protocol over the running loop, so the live simulated
-engine runs the very same prefill/decode/KV mechanics. Simulated time runs `time_scale` times
-faster than the loop's clock: `now` is simulated seconds since the engine started, `at(t, ...)`
-is `loop.call_at` at the matching loop time. Iteration times come from the hidden ground truth
-(`RooflineTruth`, with its lognormal noise); the engine's own `IterationModel` is fitted online
-from every iteration, as the simulator's is; each iteration also becomes a `Sample` for the
-forward-pass publisher (`SampleSink`) and for `StreamIterationSamples` subscribers.
-
-The node's other callbacks (a prefill finished, a token batch was decoded, ...) are the
-engine's business: they go to `EngineHooks`, which the engine core implements.
+The discrete-event driver (`sim/cluster.py`) implements `nodemodel.node.Env` over a heap of
+simulated times; this class implements the same protocol over the running loop, so the live
+simulated engine runs the very same prefill/decode/KV mechanics (`nodemodel/`). Simulated time runs
+`time_scale` times faster than the loop's clock: `now` is simulated seconds since the engine
+started, `at(t, ...)` is `loop.call_at` at the matching loop time. Iteration times come from the
+hidden ground truth (`RooflineTruth`, with its lognormal noise); the engine's own `IterationModel`
+is fitted online from every iteration, as the simulator's is; each iteration also becomes a `Sample`
+for the forward-pass publisher (`SampleSink`) and for `StreamIterationSamples` subscribers. The
+node's other callbacks (a prefill finished, a token batch was decoded, ...) are the engine's
+business: they go to `EngineHooks`, which the engine core implements.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from evolving_infra.sim.agents import SimRequest
-from evolving_infra.sim.node import Node
+from evolving_infra.nodemodel.node import Node
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.samples import BadSampleError, Sample
 from evolving_infra.timing.specs import Deployment
@@ -42,7 +41,7 @@ class SampleSink(Protocol):
 
 
 class EngineHooks(Protocol):
-    """The node callbacks that belong to the engine (see `sim.node.Env`)."""
+    """The node callbacks that belong to the engine (see `nodemodel.node.Env`)."""
 
     def prefilled(self, req: SimRequest) -> None: ...
     def decoded(self, req: SimRequest) -> None: ...
@@ -53,7 +52,7 @@ class EngineHooks(Protocol):
 
 
 class RealTimeEnv:
-    """Implements `sim.node.Env` on an asyncio loop (see the module docstring)."""
+    """Implements `nodemodel.node.Env` on an asyncio loop (see the module docstring)."""
 
     def __init__(
         self,
@@ -136,7 +135,7 @@ class RealTimeEnv:
         for fn in list(self._subscribers):
             fn(self.seq, wall, sample)
 
-    # -- `sim.node.Env` -----------------------------------------------------------------------
+    # -- `nodemodel.node.Env` ------------------------------------------------------------------
 
     def observe_prefill(self, pairs: list[tuple[int, int]], seconds: float) -> None:
         self._sample(Sample("prefill", seconds, batch=tuple(pairs)))

@@ -58,7 +58,7 @@ from evolving_infra.engines.pool import (
     PoolUnavailableError,
     block_payload_bytes,
 )
-from evolving_infra.sim.kv import KvListener, KvTier
+from evolving_infra.nodemodel.kv import KvListener, KvTier
 from evolving_infra.timing.specs import ModelConfig
 
 log = structlog.get_logger("evolving_infra.engines.sim")
@@ -208,7 +208,7 @@ class EnginePool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- `sim.kv.KvListener`: the node's L2 --------------------------------------------------
+    # -- `nodemodel.kv.KvListener`: the node's L2 ---------------------------------------------
 
     def stored(self, tier: KvTier, hashes: list[int], parent: int | None) -> None:
         if tier == "L2" and self.client is not None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
-from evolving_infra.sim.agents import SimRequest
+from evolving_infra.nodemodel.request import SimRequest
 from evolving_infra.workloads.model import Agent, AgentId, Branch, BranchId, BranchKind, Request
 
 Mode = Literal["mixed", "prefill", "decode"]  # mixed: this engine prefills and decodes

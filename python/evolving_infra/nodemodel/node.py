@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from evolving_infra._core import KvDirectory, PrefixMatch
-from evolving_infra.routing.base import NodeLoad, Phase
-from evolving_infra.sim.agents import SimRequest
-from evolving_infra.sim.config import PIN_TIME
-from evolving_infra.sim.kv import NodeKv
+from evolving_infra.nodemodel.kv import PIN_TIME, NodeKv
+from evolving_infra.nodemodel.request import SimRequest
+from evolving_infra.routing.base import NodeLoad
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.truth import RooflineTruth
+from evolving_infra.types import Phase, blocks_for
 
 State = Literal["active", "draining", "down"]
 
@@ -72,10 +72,6 @@ class Env(Protocol):
     def decode_reserved(self, req: SimRequest) -> None: ...
     def next_hashes(self, req: SimRequest) -> list[int] | None: ...
     def changed(self, node: Node) -> None: ...
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class Node:

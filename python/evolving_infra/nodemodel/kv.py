@@ -48,11 +48,12 @@ import numpy as np
 import numpy.typing as npt
 
 from evolving_infra._core import KvDirectory
-from evolving_infra.sim.config import PIN_TIME
 from evolving_infra.workloads.blocks import known_prefix
 
 IntArray = npt.NDArray[np.int64]
 KvTier = Literal["L1", "L2"]
+# Far-future last-access time: how a running request pins its blocks (the module docstring).
+PIN_TIME = 1e15
 
 
 class KvListener(Protocol):

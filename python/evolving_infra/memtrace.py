@@ -10,7 +10,7 @@ returned, so they count as resident), and the sizes of the process's own structu
 `DIR/NAME-PID-SSSSS.snap`; tracing slows a process down (about twice the CPU) and only sees
 Python's allocations (not the Rust directory's, nor ZMQ's).
 
-`python -m evolving_infra.soak.memtrace OLD.snap NEW.snap [--top N]` prints the source lines
+`python -m evolving_infra.memtrace OLD.snap NEW.snap [--top N]` prints the source lines
 whose traced allocations grew most from OLD to NEW.
 """
 
