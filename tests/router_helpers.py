@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,3 +132,25 @@ def parse_sse(text: str) -> list[Any]:
         data = event[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+class Legs:
+    """A `transport.PdTransport` whose two legs are a test's own coroutines (the seam the
+    dispatcher's tests send through); with none given, a leg sends nothing and answers nothing
+    (for tests that only place requests)."""
+
+    def __init__(
+        self,
+        prefill: Callable[[Any, bytes], Awaitable[None]] | None = None,
+        decode: Callable[[Any, bytes], AsyncIterator[GenerationEvent]] | None = None,
+    ) -> None:
+        self._prefill, self._decode = prefill, decode
+
+    async def prefill(self, engine: Any, body: bytes) -> None:
+        if self._prefill is not None:
+            await self._prefill(engine, body)
+
+    async def decode(self, engine: Any, body: bytes) -> AsyncGenerator[GenerationEvent, None]:
+        if self._decode is not None:
+            async for event in self._decode(engine, body):
+                yield event

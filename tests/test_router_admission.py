@@ -23,11 +23,13 @@ from evolving_infra.router import api, config
 from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import Finished, NoEngineError, PreparedRequest, TextPiece
 from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.observer import DispatchObserver
 from evolving_infra.router.pd import PdDispatcher
+from evolving_infra.router.registry import EngineRegistry
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.types import Phase
-from router_helpers import PAGE
+from router_helpers import PAGE, Legs
 
 
 class _Engines:
@@ -241,10 +243,23 @@ def _dispatcher(admission: bool, phases: tuple[Phase, ...] = ("prefill", "decode
     ]
     model = IterationModel()
     router = EvolvingRouter(model, block_size=PAGE, kv_bytes_per_token=1024)
-    session: Any = None  # the legs below send nothing
+    registry = EngineRegistry(engines)
     return PdDispatcher(
-        engines, KvDirectory(), router, model, page_size=PAGE, session=session, admission=admission
+        registry,
+        KvDirectory(),
+        router,
+        model,
+        page_size=PAGE,
+        transport=Legs(),
+        admission=admission,
     )
+
+
+class Holds(DispatchObserver, list[float]):
+    """The gate's hold of each request, in seconds, as the dispatcher reports them."""
+
+    def admitted(self, held_s: float) -> None:
+        self.append(held_s)
 
 
 def _request(name: str, tokens: int) -> PreparedRequest:
@@ -273,10 +288,9 @@ def test_a_prefill_is_sent_only_once_the_decode_engine_has_room(admission: bool)
         await finish[name].wait()
         yield Finished("stop", 1, 0)
 
-    d._prefill = prefill  # type: ignore[method-assign]
-    d._decode = decode  # type: ignore[method-assign,assignment]
-    held: list[float] = []
-    d.on_admitted = held.append
+    d.transport = Legs(prefill, decode)
+    held = Holds()
+    d.observer = held
     tokens = 63 * PAGE  # 63 prompt blocks, then max_tokens = one page: 64 blocks
 
     async def run() -> None:
@@ -301,7 +315,7 @@ def test_a_prefill_is_sent_only_once_the_decode_engine_has_room(admission: bool)
         assert sent == ["A", "B"]
         finish["B"].set()
         await b
-        assert d.loads.used_blocks(1) == 0
+        assert d.registry.loads.used_blocks(1) == 0
         # Every admitted request's time at the gate is reported (the histogram's count).
         assert len(held) == (2 if admission else 0)
 
@@ -327,8 +341,7 @@ def test_the_decode_engine_is_the_one_whose_room_the_gate_gave() -> None:
         await finish[name].wait()
         yield Finished("stop", 1, 0)
 
-    d._prefill = prefill  # type: ignore[method-assign]
-    d._decode = decode  # type: ignore[method-assign,assignment]
+    d.transport = Legs(prefill, decode)
 
     async def run() -> None:
         async def consume(name: str, tokens: int) -> None:
@@ -362,7 +375,7 @@ def test_the_decode_engine_is_the_one_whose_room_the_gate_gave() -> None:
         for n in "CD":
             finish[n].set()
         await asyncio.gather(*tasks.values())
-        assert d.loads.used_blocks(1) == d.loads.used_blocks(2) == 0
+        assert d.registry.loads.used_blocks(1) == d.registry.loads.used_blocks(2) == 0
         assert d.gate.extra() == {}
 
     asyncio.run(run())
@@ -383,8 +396,7 @@ def test_the_decode_leg_goes_to_the_engine_the_gate_gave_not_the_policys_pick() 
         assert choose({}) == 1  # the policy's pick: both empty, the lowest id
         return 2
 
-    d._prefill = prefill  # type: ignore[method-assign]
-    d._decode = decode  # type: ignore[method-assign,assignment]
+    d.transport = Legs(prefill, decode)
     assert d.gate is not None
     d.gate.wait = gate_gives_engine_2  # type: ignore[method-assign]
 
@@ -408,8 +420,7 @@ def test_a_request_no_decode_engine_could_hold_is_not_held() -> None:
     async def decode(engine: Any, body: bytes) -> AsyncIterator[Any]:
         yield Finished("stop", 0, 0)
 
-    d._prefill = prefill  # type: ignore[method-assign]
-    d._decode = decode  # type: ignore[method-assign,assignment]
+    d.transport = Legs(prefill, decode)
 
     async def run() -> None:
         async for _ in d.generate(_request("big", (CAPACITY + 1) * PAGE)):

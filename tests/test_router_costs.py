@@ -24,15 +24,14 @@ from evolving_infra.router import api
 from evolving_infra.router.daemon import SampleThinning
 from evolving_infra.router.dispatcher import Finished, PreparedRequest, TextPiece
 from evolving_infra.router.loads import EngineHandle
-from evolving_infra.router.pd import (
-    PdDispatcher,
-    _without_output_ids,
-    ids_json,
-)
+from evolving_infra.router.observer import PlannerFeed
+from evolving_infra.router.pd import PdDispatcher
+from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.transport import _without_output_ids, ids_json
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.types import Phase
-from router_helpers import PAGE, Router, run_router
+from router_helpers import PAGE, Legs, Router, run_router
 
 # -- the engine body's token ids ---------------------------------------------------------------
 
@@ -132,8 +131,8 @@ def _dispatcher(directory: Any) -> PdDispatcher:
     ]
     model = IterationModel()
     router = EvolvingRouter(model, block_size=PAGE, kv_bytes_per_token=1024)
-    session: Any = None  # placement sends nothing
-    return PdDispatcher(engines, directory, router, model, page_size=PAGE, session=session)
+    registry = EngineRegistry(engines)
+    return PdDispatcher(registry, directory, router, model, page_size=PAGE, transport=Legs())
 
 
 def _request(ids: list[int]) -> PreparedRequest:
@@ -225,7 +224,8 @@ def test_the_planner_hears_the_estimate_at_placement_and_what_the_prefill_found(
     req = _request(ids)
     real.store(1, "L1", list(req.block_hashes[:1000]))  # promised: 4,000 tokens cached
     d = _dispatcher(real)
-    d.slices = Slices(600.0)
+    slices = Slices(600.0)
+    d.observer = PlannerFeed(slices)
 
     async def prefill(engine: Any, body: bytes) -> None:
         return None
@@ -234,15 +234,14 @@ def test_the_planner_hears_the_estimate_at_placement_and_what_the_prefill_found(
         yield TextPiece("hi", 1)
         yield Finished("stop", 1, 1_000)  # the blocks were gone: 1,000 cached, not 4,000
 
-    d._prefill = prefill  # type: ignore[method-assign]
-    d._decode = decode  # type: ignore[method-assign,assignment]
+    d.transport = Legs(prefill, decode)
 
     async def run() -> list[Any]:
         return [e async for e in d.generate(req)]
 
     events = asyncio.run(run())
     assert isinstance(events[-1], Finished)
-    s = d.slices.close(1.0)
+    s = slices.close(1.0)
     assert (s.requests, s.prompt_tokens) == (1, len(ids))
     assert (s.uncached_tokens, s.cached_tokens) == (len(ids) - 4_000, 4_000)
     assert (s.prefills, s.prefilled_prompt_tokens) == (1, len(ids))

@@ -13,20 +13,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
 import structlog.testing
 
-from evolving_infra import KvDirectory
 from evolving_infra.control import EngineClient, serve
 from evolving_infra.engines.sim import SimEngine
 from evolving_infra.engines.sim.requests import GenerateSpec
 from evolving_infra.planner.base import SliceStats, Split, SwitchMode
 from evolving_infra.planner.evolving import EvolvingPlanner
 from evolving_infra.router.loads import EngineHandle
-from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
-from evolving_infra.routing.evolving import EvolvingRouter
+from evolving_infra.router.registry import EngineRegistry
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.types import Phase
 from test_engine_sim_helpers import settings
 
 
@@ -71,39 +69,30 @@ def test_a_decision_becomes_an_in_place_switch_that_keeps_the_kv() -> None:
         held_before = engines[0].kv.l1_held
         assert held_before > 0
         model = IterationModel()
-        async with aiohttp.ClientSession() as session:
-            dispatcher = PdDispatcher(
-                [
-                    EngineHandle(n, "http://127.0.0.1:1", "prefill", "127.0.0.1", 1, 1000)
-                    for n in (0, 1)
-                ],
-                KvDirectory(),
-                EvolvingRouter(model, block_size=4, kv_bytes_per_token=131072),
-                model,
-                page_size=4,
-                session=session,
-            )
-            planner = LivePlanner(dispatcher, clients, model, interval=1.0)
-            policy = FixedTarget(Split(1, 1))
-            planner.planner = policy  # type: ignore[assignment]
-            planner.tick(time.monotonic())
-            assert planner.switching(0)  # least work in flight, then lowest id
-            assert dispatcher.engines[0].state == "draining"
-            handle = dispatcher.engines[0]  # (a fresh name: mypy narrowed the attribute above)
-            deadline = time.monotonic() + 20
-            while not planner.switches and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            (record,) = planner.switches
-            assert record.ok, record
-            assert record.node == 0
-            assert record.to == "decode"
-            assert handle.phase == "decode"
-            assert handle.state == "up"
-            assert policy.done == 1
-            assert planner.split() == Split(1, 1)
-            planner.tick(time.monotonic())  # already at the target: nothing moves
-            assert not planner.switching(0)
-            assert not planner.switching(1)
+        registry = EngineRegistry(
+            [EngineHandle(n, "http://127.0.0.1:1", "prefill", "127.0.0.1", 1, 1000) for n in (0, 1)]
+        )
+        planner = LivePlanner(registry, clients, model, page_size=4, interval=1.0)
+        policy = FixedTarget(Split(1, 1))
+        planner.planner = policy  # type: ignore[assignment]
+        planner.tick(time.monotonic())
+        assert planner.switching(0)  # least work in flight, then lowest id
+        assert registry.engines[0].state == "draining"
+        handle = registry.engines[0]  # (a fresh name: mypy narrowed the attribute above)
+        deadline = time.monotonic() + 20
+        while not planner.switches and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        (record,) = planner.switches
+        assert record.ok, record
+        assert record.node == 0
+        assert record.to == "decode"
+        assert handle.phase == "decode"
+        assert handle.state == "up"
+        assert policy.done == 1
+        assert planner.split() == Split(1, 1)
+        planner.tick(time.monotonic())  # already at the target: nothing moves
+        assert not planner.switching(0)
+        assert not planner.switching(1)
         assert engines[0].kv.l1_held == held_before  # switched in place: its cache is intact
         assert engines[0].phase == "decode"
         for c in clients.values():
@@ -115,24 +104,17 @@ def test_a_decision_becomes_an_in_place_switch_that_keeps_the_kv() -> None:
     asyncio.run(scenario())
 
 
-class _Engine:
-    def __init__(self, node: int, phase: str) -> None:
-        self.node, self.phase, self.state = node, phase, "up"
-
-
-class _Dispatcher:
-    """What `LivePlanner.tick` reads of a dispatcher when it keeps the split."""
-
-    page_size = 16
-
-    def __init__(self) -> None:
-        self.engines = {0: _Engine(0, "prefill"), 1: _Engine(1, "prefill"), 2: _Engine(2, "decode")}
-
-
 def test_every_decision_is_logged_with_each_candidates_throughput() -> None:
     """The planner is not silent when it keeps the split: one `planner_decision` line per
     decision, with the split, the best candidate and Θ of every candidate."""
-    lp = LivePlanner(_Dispatcher(), {}, IterationModel(), nodes=3)  # type: ignore[arg-type]
+    phases: tuple[Phase, ...] = ("prefill", "prefill", "decode")
+    registry = EngineRegistry(
+        [
+            EngineHandle(n, "http://127.0.0.1:1", p, "127.0.0.1", 1, 1000)
+            for n, p in enumerate(phases)
+        ]
+    )
+    lp = LivePlanner(registry, {}, IterationModel(), page_size=16, nodes=3)
     lp.planner = EvolvingPlanner(3, min_gain=10.0, kv_capacity_tokens=400_000)  # never moves
     with structlog.testing.capture_logs() as logs:
         for minute in range(1, 5):

@@ -35,7 +35,13 @@ from evolving_infra import logs
 from evolving_infra.router import api
 from evolving_infra.router.api import ApiError, ChatRequest, CompletionRequest, Usage
 from evolving_infra.router.auth import ApiKeys
-from evolving_infra.router.branches import BranchLease, BranchTracker, parse_branch_info
+from evolving_infra.router.branches import (
+    BranchError,
+    BranchExistsError,
+    BranchLease,
+    BranchTracker,
+    parse_branch_info,
+)
 from evolving_infra.router.branches import check_branch_id as _check_branch_id
 from evolving_infra.router.dispatcher import (
     Dispatcher,
@@ -71,6 +77,13 @@ _CALL: ContextVar[_Call] = ContextVar("evolving_router_call")
 
 CLIENT_GONE = 499  # nginx's status for "client closed the request": only in metrics and logs
 _ROUTE_OTHER = "other"  # metric label of requests that matched no route
+
+
+def _branch_error(e: BranchError) -> ApiError:
+    """The tracker's refusal as the client sees it: 409 for a branch that exists, else 404."""
+    if isinstance(e, BranchExistsError):
+        return ApiError(409, str(e), code=api.BRANCH_EXISTS, param=e.param)
+    return ApiError(404, str(e), code=api.UNKNOWN_BRANCH, param=e.param)
 
 
 def configure_json_logging(level: logs.Level = "info") -> None:
@@ -178,6 +191,10 @@ class FrontEnd:
                 status = e.status
                 challenge = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
                 response = self._fail(request, e, challenge)
+            except BranchError as e:
+                error = _branch_error(e)
+                status = error.status
+                response = self._fail(request, error)
             except web.HTTPException as e:
                 error, headers = _from_http(e, request)
                 status = error.status

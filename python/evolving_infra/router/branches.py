@@ -41,9 +41,6 @@ import structlog
 from evolving_infra import KvDirectory, KvDirectoryError
 from evolving_infra.router.api import (
     BRANCH_CONFLICT,
-    BRANCH_EXISTS,
-    INTERNAL,
-    UNKNOWN_BRANCH,
     ApiError,
     invalid,
 )
@@ -160,6 +157,24 @@ class BranchLease:
     done: bool = field(default=False)
 
 
+class BranchError(Exception):
+    """Branch info the tracker's state refuses (the app answers it as a client error);
+    `param`: the request field it came from."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownBranchError(BranchError):
+    """A parent, a compacted branch or a branch to end that is not live (never begun, ended or
+    expired)."""
+
+
+class BranchExistsError(BranchError):
+    """A fork onto a live branch that was forked from another parent."""
+
+
 class BranchTracker:
     """Named and anonymous branches over a `KvDirectory`, with idle expiry.
 
@@ -212,33 +227,22 @@ class BranchTracker:
             assert info.parent is not None, "parse_branch_info: a fork has a parent"
             if live is None:
                 if info.parent not in self._named:
-                    raise ApiError(
-                        404,
-                        f"unknown parent branch {info.parent!r}",
-                        code=UNKNOWN_BRANCH,
-                        param="agent.parent",
+                    raise UnknownBranchError(
+                        f"unknown parent branch {info.parent!r}", "agent.parent"
                     )
-                try:
-                    self.directory.branch_fork(info.parent, b)
-                except KvDirectoryError as e:  # the tracker and the directory disagree: a bug
-                    raise ApiError(500, f"branch fork failed: {e}", code=INTERNAL) from e
+                # A KvDirectoryError here is a bug (the tracker and the directory disagree):
+                # it reaches the app's catch-all, a logged 500.
+                self.directory.branch_fork(info.parent, b)
                 parent_tail = self._named[info.parent].tail
                 live = self._named[b] = _Live(info.parent, now, tail=parent_tail)
             elif live.parent != info.parent:
-                raise ApiError(
-                    409,
+                raise BranchExistsError(
                     f"branch {b!r} already exists (forked from {live.parent!r}, not"
                     f" {info.parent!r})",
-                    code=BRANCH_EXISTS,
-                    param="agent.branch",
+                    "agent.branch",
                 )
         elif info.event is BranchEvent.COMPACTION and live is None:
-            raise ApiError(
-                404,
-                f"compaction of unknown branch {b!r}",
-                code=UNKNOWN_BRANCH,
-                param="agent.branch",
-            )
+            raise UnknownBranchError(f"compaction of unknown branch {b!r}", "agent.branch")
         self._set(b, hashes)
         if live is None:
             live = self._named[b] = _Live(parent=None, last_active=now)
@@ -253,9 +257,9 @@ class BranchTracker:
         try:
             self.directory.branch_set(key, hashes)
         except KvDirectoryError as e:
-            # Page hashes chain by sha256, so this means a hashing bug, not a bad request.
-            log.error("branch_set failed", branch=str(key), error=str(e))
-            raise ApiError(500, f"the KV directory refused the prompt: {e}", code=INTERNAL) from e
+            # Page hashes chain by sha256, so this means a hashing bug, not a bad request: the
+            # app's catch-all answers a logged 500.
+            raise RuntimeError(f"the KV directory refused the prompt: {e}") from e
 
     def finish(self, lease: BranchLease) -> None:
         """The request is over (done, failed or disconnected); idempotent."""
@@ -282,9 +286,10 @@ class BranchTracker:
         return {b: s.tail for b, s in self._named.items() if s.tail is not None}
 
     def end(self, branch: str) -> None:
-        """`POST /v1/branches/{id}/end`: end a named branch now (404 if unknown)."""
+        """`POST /v1/branches/{id}/end`: end a named branch now (`UnknownBranchError` if it is
+        not live)."""
         if branch not in self._named:
-            raise ApiError(404, f"unknown branch {branch!r}", code=UNKNOWN_BRANCH)
+            raise UnknownBranchError(f"unknown branch {branch!r}")
         self._count(BranchEvent.END.value)
         self._end(branch)
 

@@ -42,9 +42,12 @@ from evolving_infra.router.config import RouterConfig
 from evolving_infra.router.ingest import EventIngestor, SampleIngestor
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.metrics import EngineView, RouterMetrics
+from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
+from evolving_infra.router.registry import EngineRegistry
 from evolving_infra.router.tokenize import load_tokenizer
+from evolving_infra.router.transport import HttpTransport
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.samples import Sample
@@ -179,6 +182,7 @@ class RouterDaemon:
         self.metrics = RouterMetrics()
         self.events: EventIngestor | None = None
         self.samples: SampleIngestor | None = None
+        self.registry = EngineRegistry()  # filled when the engines answer (`start`)
         self.dispatcher: PdDispatcher | None = None
         self.planner: LivePlanner | None = None
         self.tracker = BranchTracker(self.directory, config.branch_ttl)
@@ -220,30 +224,31 @@ class RouterDaemon:
             self.model, block_size=cfg.page_size, kv_bytes_per_token=spec.kv_bytes_per_token
         )
         self._session = aiohttp.ClientSession()
-        self.dispatcher = PdDispatcher(
-            [handle_of(e.info) for e in found],
-            self.directory,
-            router,
-            self.model,
-            page_size=cfg.page_size,
-            session=self._session,
-            admission=cfg.admission,
-        )
+        for e in found:
+            self.registry.add(handle_of(e.info))
         self.planner = LivePlanner(
-            self.dispatcher,
+            self.registry,
             {n: e.client for n, e in self.engines.items()},
             self.model,
+            page_size=cfg.page_size,
             interval=cfg.planner_interval,
             enabled=cfg.planner,
             nodes=len(cfg.engines),
         )
-        self.dispatcher.slices = self.planner.slices
+        self.dispatcher = PdDispatcher(
+            self.registry,
+            self.directory,
+            router,
+            self.model,
+            page_size=cfg.page_size,
+            transport=HttpTransport(self._session),
+            observer=Observers(PlannerFeed(self.planner.slices), self.metrics.feed()),
+            admission=cfg.admission,
+        )
         self.metrics.watch_engines(self.engine_views)
         gate = self.dispatcher.gate
         if gate is not None:
             self.metrics.watch_admission(lambda: gate.waiting)
-        self.dispatcher.on_dispatch = self.metrics.overhead.observe
-        self.dispatcher.on_admitted = self.metrics.admission_wait.observe
         app = build_app(
             self.dispatcher,
             self.tracker,
@@ -305,8 +310,7 @@ class RouterDaemon:
 
     async def _join(self, address: str, client: EngineClient) -> None:
         """An engine that was unreachable at start answers: it joins the cluster."""
-        d, planner = self.dispatcher, self.planner
-        assert d is not None
+        d, planner = self.registry, self.planner
         assert planner is not None
         try:
             info = await client.get_info(timeout=HEALTH_TIMEOUT_S)
@@ -322,14 +326,13 @@ class RouterDaemon:
             return
         del self._pending[address]
         self.engines[info.node_id] = _Engine(address, client, info)
-        d.add_engine(handle_of(info))
+        d.add(handle_of(info))
         planner.clients[info.node_id] = client
         self._subscribe(info)
         log.info("engine_joined", node=info.node_id, address=address, phase=info.phase)
 
     async def _check(self, node: int, engine: _Engine) -> None:
-        d = self.dispatcher
-        assert d is not None
+        d = self.registry
         if self.planner is not None and self.planner.switching(node):
             return  # the planner owns a switching node's state until its switch returns
         try:
@@ -369,8 +372,7 @@ class RouterDaemon:
     async def _rejoin(self, node: int, engine: _Engine) -> bool:
         """A lost engine answers again (restarted, perhaps on other ports): take its current
         `GetInfo` and re-learn its cache from a replay of its events."""
-        d = self.dispatcher
-        assert d is not None
+        d = self.registry
         try:
             info = await engine.client.get_info(timeout=HEALTH_TIMEOUT_S)
         except EngineControlError:
@@ -379,7 +381,7 @@ class RouterDaemon:
             d.set_state(node, "down", f"came back as node {info.node_id}, page {info.page_size}")
             return False
         engine.info = info
-        d.add_engine(handle_of(info))
+        d.add(handle_of(info))
         self._subscribe(info)
         self._lost.discard(node)
         log.info("engine_back", node=node, phase=info.phase)
@@ -401,9 +403,7 @@ class RouterDaemon:
 
     def engine_views(self) -> list[EngineView]:
         """Each engine's state and the directory's count of its blocks, for `/metrics`."""
-        d = self.dispatcher
-        if d is None:
-            return []
+        d = self.registry
         return [
             EngineView(
                 node=n,

@@ -16,6 +16,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from evolving_infra.router.observer import DispatchObserver
+
 # Seconds: TTFT of agent requests runs from tens of ms (a cached prefix) to tens of seconds (a
 # long uncached prompt behind a queue); end-to-end adds the decode, up to minutes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -179,6 +181,10 @@ class RouterMetrics:
         """Report `read()`'s engines as `evolving_engine_state` and `evolving_directory_blocks`."""
         self.registry.register(_EngineCollector(read))
 
+    def feed(self) -> DispatchObserver:
+        """What the dispatcher tells the metrics: its overhead and the gate's holds."""
+        return _MetricsFeed(self)
+
     def watch_admission(self, read: Callable[[], int]) -> None:
         """Report `read()` as `evolving_admission_waiting`: requests the router holds until a
         decode engine has room for their KV (`router.admission`)."""
@@ -192,3 +198,14 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _MetricsFeed(DispatchObserver):
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def dispatched(self, overhead_s: float) -> None:
+        self.metrics.overhead.observe(overhead_s)
+
+    def admitted(self, held_s: float) -> None:
+        self.metrics.admission_wait.observe(held_s)

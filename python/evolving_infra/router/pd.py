@@ -24,19 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import json
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import structlog
 
 from evolving_infra._core import KvDirectory
-from evolving_infra.planner.slices import Slices
 from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import (
     DispatcherHealth,
@@ -47,11 +43,14 @@ from evolving_infra.router.dispatcher import (
     PreparedRequest,
     TextPiece,
 )
-from evolving_infra.router.loads import EngineHandle, EngineState, LoadTracker
+from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.observer import DispatchObserver, Quiet
+from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.transport import PdTransport, UnreachableError, pd_bodies
 from evolving_infra.routing.base import Router, RouteRequest
 from evolving_infra.routing.common import NoNodeError
 from evolving_infra.timing.model import IterationModel
-from evolving_infra.types import Phase, blocks_for
+from evolving_infra.types import blocks_for
 
 log = structlog.get_logger("evolving_infra.router.pd")
 
@@ -60,30 +59,6 @@ ROOM_MAX = (1 << 63) - 1
 # How long a decode-side failure waits for the prefill side's answer, which says whether the
 # prefill engine was the cause (then the request is retried elsewhere).
 PREFILL_VERDICT_S = 2.0
-_JSON = {"Content-Type": "application/json"}
-
-
-@functools.cache
-def _id_texts() -> list[str]:
-    """Token ids' JSON texts, looked up rather than formatted (see `ids_json`). 2**17 entries
-    (~8 MiB) cover byte ids and 128k-token vocabularies; built on first use, not at import:
-    every CLI process imports this module."""
-    return [str(i) for i in range(1 << 17)]
-
-
-def ids_json(token_ids: Sequence[int]) -> bytes:
-    """`token_ids` as the text of a JSON array (`json.dumps(list(token_ids))` less the spaces).
-
-    A prompt is ~100k ids: `json.dumps` of the list for the prefill body and again for the
-    decode body was the router's largest CPU cost in the 200-agent soak's profile (~18 ms each
-    per 100k ids, against ~6 ms for one join of looked-up texts). NOTE: ids are non-negative, as
-    `PreparedRequest` promises (the front end checks client ids, a tokenizer makes no others):
-    a negative index would read the table from its end."""
-    if not token_ids:
-        return b"[]"
-    texts = _id_texts()
-    look = texts.__getitem__ if max(token_ids) < len(texts) else str
-    return b"[" + ",".join(map(look, token_ids)).encode() + b"]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,67 +70,47 @@ class _Placement:
     decode_blocks: int
 
 
-class _UnreachableError(Exception):
-    """An engine did not answer at the connection level (the request may be retried)."""
-
-    def __init__(self, engine: EngineHandle, reason: str, *, gone: bool = True) -> None:
-        super().__init__(reason)
-        self.engine = engine
-        self.reason = reason
-        # False: it did not answer in time (overloaded, perhaps): try elsewhere, but leave
-        # judging it down to the health loop, or a busy cluster's only decode node would be
-        # taken out by its own load.
-        self.gone = gone
-
-
 class PdDispatcher:
     """`Dispatcher` over prefill and decode engines (see the module docstring)."""
 
     def __init__(
         self,
-        engines: Sequence[EngineHandle],
+        registry: EngineRegistry,
         directory: KvDirectory,
         router: Router,
         model: IterationModel,
         *,
         page_size: int,
-        session: aiohttp.ClientSession,
+        transport: PdTransport,
+        observer: DispatchObserver | None = None,
         default_max_tokens: int = 256,
         request_timeout_s: float = 600.0,
         seed: int | None = None,
         admission: bool = True,
     ) -> None:
-        self.engines: dict[int, EngineHandle] = {e.node: e for e in engines}
+        """`registry`: the engines and their loads; `transport`: how requests reach them
+        (`transport.HttpTransport` for SGLang's HTTP API); `observer`: who hears of each
+        request (the planner's window, the metrics; `observer.Observers` for several)."""
+        self.registry = registry
         self.directory = directory
         self.router = router
         self.model = model
         self.page_size = page_size
-        self.session = session
+        self.transport = transport
+        self.observer = observer if observer is not None else Quiet()
         self.default_max_tokens = default_max_tokens
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5.0)
-        self.loads = LoadTracker()
-        # The planner's window, when a planner runs: arrivals and decoded tokens are counted here.
-        self.slices: Slices | None = None
-        # Told each request's router overhead (arrival to leaving for the engines), in seconds.
-        self.on_dispatch: Callable[[float], None] | None = None
-        # Told how long each request was held by the decode-KV gate, in seconds.
-        self.on_admitted: Callable[[float], None] | None = None
         self._rng = random.Random(seed)
         # Requests in flight per engine (their tasks), so that an engine found dead can have
         # its requests pulled back at once instead of at their timeouts.
         self._inflight: dict[int, set[asyncio.Task[Any]]] = {}
         self._aborted: dict[asyncio.Task[Any], tuple[int, str]] = {}
-        # Requests wait here until a decode engine has room for their KV (`router.admission`).
+        # Requests wait here until a decode engine has room for their KV (`router.admission`);
+        # it re-checks them whenever the registry changes.
         self.gate = (
-            DecodeGate(self._decode_space, max_wait_s=request_timeout_s) if admission else None
+            DecodeGate(registry.decode_space, max_wait_s=request_timeout_s) if admission else None
         )
-
-    # -- engine states (the daemon's discovery and health loops call these) ---------------------
-
-    def add_engine(self, engine: EngineHandle) -> None:
-        """An engine that joined after start, or came back (perhaps on other ports)."""
-        self.engines[engine.node] = engine
-        self._room_changed()
+        if self.gate is not None:
+            registry.listen(self.gate.notify)
 
     def abort_engine(self, node: int, reason: str) -> int:
         """Pulls back every request in flight on `node` (an engine that stopped answering):
@@ -170,36 +125,13 @@ class PdDispatcher:
             log.warning("engine_requests_aborted", node=node, requests=len(tasks), reason=reason)
         return len(tasks)
 
-    def set_state(self, node: int, state: EngineState, reason: str = "") -> None:
-        e = self.engines[node]
-        if e.state != state:
-            log.info("engine_state", node=node, old=e.state, new=state, reason=reason)
-        e.state, e.reason = state, reason
-        self._room_changed()
-
-    def set_phase(self, node: int, phase: Phase) -> None:
-        self.engines[node].phase = phase
-        self._room_changed()
-
-    def _room_changed(self) -> None:
-        if self.gate is not None:
-            self.gate.notify()
-
-    def _up_decode(self) -> list[EngineHandle]:
-        """The decode engines that take requests now."""
-        return [e for e in self.engines.values() if e.phase == "decode" and e.state == "up"]
-
-    def _decode_space(self) -> dict[int, tuple[int, int]]:
-        """The up decode engines' KV capacity and blocks in use by the router's count."""
-        return {
-            e.node: (e.kv_capacity_blocks, self.loads.used_blocks(e.node))
-            for e in self._up_decode()
-        }
+    def health(self) -> DispatcherHealth:
+        return self.registry.health()
 
     def _route(self, req: PreparedRequest) -> RouteRequest:
         max_out = req.sampling.max_tokens or self.default_max_tokens
         return RouteRequest(
-            hashes=list(req.block_hashes),
+            hashes=req.block_hashes,  # the tuple as is: the directory reads any sequence
             prompt_tokens=len(req.token_ids),
             expected_output_tokens=max_out,
             branch=str(req.branch),
@@ -209,21 +141,10 @@ class PdDispatcher:
         """The decode engine the policy picks for `route` with the gate's commitments counted
         (the gate queues the request there); -1 if none is up."""
         try:
-            return self.router.choose_decode(route, self.loads.view(self._up_decode(), extra))
+            loads = self.registry.loads.view(self.registry.up("decode"), extra)
+            return self.router.choose_decode(route, loads)
         except NoNodeError:
             return -1
-
-    def health(self) -> DispatcherHealth:
-        up = [e for e in self.engines.values() if e.state == "up"]
-        phases = {e.phase for e in up}
-        detail = {
-            str(e.node): {"phase": e.phase, "state": e.state, "reason": e.reason}
-            for e in self.engines.values()
-        }
-        missing = [p for p in ("prefill", "decode") if p not in phases]
-        if missing:
-            return DispatcherHealth(False, f"no {' or '.join(missing)} engine up", detail)
-        return DispatcherHealth(True, "", detail)
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -236,8 +157,9 @@ class PdDispatcher:
     ) -> _Placement:
         """The request's engines: prefill by the policy on current loads; decode `decode` (the
         engine whose room the gate gave it) while it is an up decode engine, else the policy's."""
-        engines = [e for e in self.engines.values() if e.node not in excluded]
-        nodes = self.loads.view(engines, self.gate.extra() if self.gate is not None else None)
+        reg = self.registry
+        engines = [e for e in reg.engines.values() if e.node not in excluded]
+        nodes = reg.loads.view(engines, self.gate.extra() if self.gate is not None else None)
         if route is None:
             route = self._route(req)
         # Matched now, once, for the policy and the prefill's size below: a request the gate
@@ -246,61 +168,24 @@ class PdDispatcher:
         route = dataclasses.replace(route, match=self.directory.match(route.hashes))
         try:
             placed = self.router.choose_prefill(route, nodes)
-            given = self.engines.get(decode) if decode is not None else None
+            given = reg.engines.get(decode) if decode is not None else None
             if given is not None and given.phase == "decode" and given.state == "up":
                 d = given.node
             else:
                 d = self.router.choose_decode(route, nodes)
         except NoNodeError as e:
-            raise NoEngineError(f"{e}; engines: {self._states()}") from None
+            raise NoEngineError(f"{e}; engines: {reg.states()}") from None
         t = route.prompt_tokens
         uncached = max(t - min(placed.cached_blocks * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)
         blocks = self._decode_blocks(req)
-        return _Placement(self.engines[placed.node], self.engines[d], seconds, uncached, blocks)
+        return _Placement(reg.engines[placed.node], reg.engines[d], seconds, uncached, blocks)
 
     def _decode_blocks(self, req: PreparedRequest) -> int:
         """KV blocks the router counts for `req` on its decode node: prompt and `max_tokens`
         (the gate asks for the same room the placement then takes)."""
         max_out = req.sampling.max_tokens or self.default_max_tokens
         return blocks_for(len(req.token_ids) + max_out, self.page_size)
-
-    def _states(self) -> str:
-        return (
-            ", ".join(
-                f"{e.node}={e.phase}/{e.state}"
-                for e in sorted(self.engines.values(), key=lambda e: e.node)
-            )
-            or "none"
-        )
-
-    def _bodies(
-        self, req: PreparedRequest, place: _Placement, room: int, attempt: int
-    ) -> tuple[bytes, bytes]:
-        """The `/generate` bodies of the prefill and the decode engine, as JSON bytes: the same
-        request, streamed to the decode side only, its token ids encoded once for both."""
-        s = req.sampling
-        params: dict[str, Any] = {"max_new_tokens": s.max_tokens or self.default_max_tokens}
-        if s.temperature is not None:
-            params["temperature"] = s.temperature
-        if s.top_p is not None:
-            params["top_p"] = s.top_p
-        if s.stop:
-            params["stop"] = list(s.stop)
-        if s.seed is not None:
-            params["sampling_seed"] = s.seed
-        head = {
-            # A retry is a new request to the engines: the failed attempt may still be winding
-            # down on one of them under the old id.
-            "rid": req.request_id if attempt == 0 else f"{req.request_id}.{attempt}",
-            "sampling_params": params,
-            "bootstrap_host": place.prefill.bootstrap_host,
-            "bootstrap_port": place.prefill.bootstrap_port,
-            "bootstrap_room": room,
-        }
-        ids = ids_json(req.token_ids)
-        start = json.dumps(head)[:-1].encode() + b', "input_ids": ' + ids + b', "stream": '
-        return start + b"false}", start + b"true}"
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         held_s = 0.0
@@ -314,8 +199,7 @@ class PdDispatcher:
                 self._decode_blocks(request), lambda extra: self._choose_decode(route, extra)
             )
             held_s = time.monotonic() - start
-            if self.on_admitted is not None:
-                self.on_admitted(held_s)
+            self.observer.admitted(held_s)
         excluded: set[int] = set()
         for attempt in range(2):
             place = self._place(request, excluded, decode if attempt == 0 else None, route)
@@ -330,10 +214,10 @@ class PdDispatcher:
                 if aborted is None:
                     raise  # the client went away, or the router stops
                 node, why = aborted[0], f"stopped answering: {aborted[1]}"
-            except _UnreachableError as e:
+            except UnreachableError as e:
                 node, why = e.engine.node, f"unreachable: {e.reason}"
                 if e.gone:
-                    self.set_state(node, "down", e.reason)
+                    self.registry.set_state(node, "down", e.reason)
             # Only failures reach here (a finished request returned above).
             if streamed or attempt == 1:
                 raise EngineFailedError(f"engine {node} {why}", node=node, unavailable=True)
@@ -353,34 +237,35 @@ class PdDispatcher:
         self, req: PreparedRequest, place: _Placement, attempt: int, held_s: float = 0.0
     ) -> AsyncIterator[GenerationEvent]:
         room = self._rng.randint(0, ROOM_MAX)
-        prefill_body, decode_body = self._bodies(req, place, room, attempt)
+        prefill_body, decode_body = pd_bodies(
+            req, place.prefill, room, attempt, self.default_max_tokens
+        )
         p, d = place.prefill, place.decode
         me = asyncio.current_task()
         assert me is not None
         for node in {p.node, d.node}:
             self._inflight.setdefault(node, set()).add(me)
-        prompt = blocks_for(len(req.token_ids), self.page_size)
-        self.loads.add_prefill(p.node, place.prefill_s, place.uncached, prompt)
-        self.loads.add_decode(d.node, place.decode_blocks, len(req.token_ids), prompt)
-        if self.slices is not None:
-            t = len(req.token_ids)
-            self.slices.arrival(
-                t, place.uncached, t - place.uncached, req.block_hashes, time.monotonic()
-            )
+        t = len(req.token_ids)
+        prompt = blocks_for(t, self.page_size)
+        loads = self.registry.loads
+        loads.add_prefill(p.node, place.prefill_s, place.uncached, prompt)
+        loads.add_decode(d.node, place.decode_blocks, t, prompt)
+        seen = self.observer
+        seen.arrival(t, place.uncached, t - place.uncached, req.block_hashes, time.monotonic())
         prefill_open = True
 
         def prefill_done(_: object = None) -> None:
             nonlocal prefill_open
             if prefill_open:
                 prefill_open = False
-                self.loads.done_prefill(p.node, place.prefill_s, place.uncached, prompt)
+                loads.done_prefill(p.node, place.prefill_s, place.uncached, prompt)
 
-        if self.on_dispatch is not None and attempt == 0:
+        if attempt == 0:
             # The router's own cost: the time held by the gate is queueing, not overhead.
-            self.on_dispatch(time.monotonic() - req.arrival - held_s)
-        prefill = asyncio.create_task(self._prefill(p, prefill_body))
+            seen.dispatched(time.monotonic() - req.arrival - held_s)
+        prefill = asyncio.create_task(self.transport.prefill(p, prefill_body))
         prefill.add_done_callback(prefill_done)
-        stream = self._decode(d, decode_body)
+        stream = self.transport.decode(d, decode_body)
         del prefill_body, decode_body  # megabytes: only their requests hold them, until sent
         first: asyncio.Future[GenerationEvent] = asyncio.ensure_future(anext(stream))
         try:
@@ -404,23 +289,18 @@ class PdDispatcher:
                     raise failed from None
                 raise
             while event is not None:
-                if self.slices is not None and isinstance(event, TextPiece):
-                    self.slices.tokens(event.tokens)
-                elif (
-                    self.slices is not None
-                    and isinstance(event, Finished)
-                    and event.cached_tokens is not None
-                ):
+                if isinstance(event, TextPiece):
+                    seen.tokens(event.tokens)
+                elif isinstance(event, Finished) and event.cached_tokens is not None:
                     # What the prefill really found cached (the decode side reports it).
-                    t = len(req.token_ids)
-                    self.slices.prefilled(t, t - min(event.cached_tokens, t))
+                    seen.prefilled(t, t - min(event.cached_tokens, t))
                 yield event
                 event = await anext(stream, None)
             # The decode side had the KV once it streamed: the prefill answer only confirms it,
             # and the client has its whole answer, so a late prefill error is only logged.
             try:
                 await prefill
-            except (_UnreachableError, EngineFailedError) as e:
+            except (UnreachableError, EngineFailedError) as e:
                 log.warning("prefill_answer_failed", request=req.request_id, reason=str(e))
         finally:
             for task in (first, prefill):
@@ -430,136 +310,7 @@ class PdDispatcher:
                         await task
             await stream.aclose()
             prefill_done()
-            self.loads.done_decode(d.node, place.decode_blocks, len(req.token_ids), prompt)
-            self._room_changed()
+            loads.done_decode(d.node, place.decode_blocks, t, prompt)
+            self.registry.changed()  # decode room freed: the gate re-checks
             for node in {p.node, d.node}:
                 self._inflight[node].discard(me)
-
-    async def _prefill(self, engine: EngineHandle, body: bytes) -> None:
-        post = self._post(engine, body)
-        del body  # `post` sends it and lets it go
-        async with post as resp:
-            await self._check(engine, resp)
-            await resp.read()
-
-    async def _decode(
-        self, engine: EngineHandle, body: bytes
-    ) -> AsyncGenerator[GenerationEvent, None]:
-        text, tokens = "", 0
-        post = self._post(engine, body)
-        del body  # `post` sends it and lets it go
-        async with post as resp:
-            await self._check(engine, resp)
-            try:
-                async for chunk in _sse(resp):
-                    if chunk.get("error"):
-                        raise EngineFailedError(
-                            f"engine {engine.node}: {chunk['error']}", node=engine.node
-                        )
-                    meta = chunk.get("meta_info") or {}
-                    # SGLang streams the cumulative text unless --incremental-streaming-output.
-                    new_text = str(chunk.get("text", ""))
-                    delta = new_text[len(text) :] if new_text.startswith(text) else new_text
-                    n = int(meta.get("completion_tokens", tokens))
-                    if delta or n > tokens:
-                        yield TextPiece(delta, max(n - tokens, 0))
-                    text, tokens = new_text, max(n, tokens)
-                    finish = meta.get("finish_reason")
-                    if finish:
-                        reason = finish.get("type") if isinstance(finish, dict) else finish
-                        cached = meta.get("cached_tokens")
-                        yield Finished(
-                            "stop" if reason in ("stop", "eos") else "length",
-                            tokens,
-                            int(cached) if cached is not None else None,
-                        )
-                        return
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
-                if not tokens and not text:
-                    # Nothing reached the client yet (an engine that crashed, typically): the
-                    # request can start over on another node.
-                    raise _UnreachableError(engine, f"broke the stream: {e}") from None
-                raise EngineFailedError(
-                    f"engine {engine.node} broke the stream: {e}", node=engine.node
-                ) from None
-        raise EngineFailedError(f"engine {engine.node} ended the stream early", node=engine.node)
-
-    def _post(self, engine: EngineHandle, body: bytes) -> _Request:
-        return _Request(self.session, engine, body, self.timeout)
-
-    async def _check(self, engine: EngineHandle, resp: aiohttp.ClientResponse) -> None:
-        if resp.status == 200:
-            return
-        detail = (await resp.text())[:500]
-        if resp.status == 503:
-            # Draining or overloaded: another node can take the request.
-            raise _UnreachableError(engine, f"HTTP 503: {detail}")
-        raise EngineFailedError(
-            f"engine {engine.node} answered HTTP {resp.status}: {detail}", node=engine.node
-        )
-
-
-class _Request:
-    """`session.post(...)` whose connection failures become `_UnreachableError`."""
-
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        engine: EngineHandle,
-        body: bytes,
-        timeout: aiohttp.ClientTimeout,
-    ) -> None:
-        self.session, self.engine, self.body, self.timeout = session, engine, body, timeout
-        self.resp: aiohttp.ClientResponse | None = None
-
-    async def __aenter__(self) -> aiohttp.ClientResponse:
-        try:
-            body, self.body = self.body, b""  # sent once: not held for the whole stream
-            self.resp = await self.session.post(
-                f"{self.engine.http_url}/generate", data=body, headers=_JSON, timeout=self.timeout
-            )
-        except TimeoutError as e:  # aiohttp's connection timeouts are TimeoutErrors too
-            reason = str(e) or type(e).__name__
-            raise _UnreachableError(self.engine, reason, gone=False) from None
-        except aiohttp.ClientConnectionError as e:
-            raise _UnreachableError(self.engine, str(e) or type(e).__name__) from None
-        return self.resp
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self.resp is not None:
-            self.resp.release()
-
-
-async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream (`data: {...}` lines) up to `data: [DONE]`."""
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        try:
-            chunk = json.loads(_without_output_ids(data))
-        except json.JSONDecodeError:
-            raise EngineFailedError(f"malformed stream chunk: {data[:200]!r}") from None
-        if isinstance(chunk, dict):
-            yield chunk
-
-
-_OUTPUT_IDS = b'"output_ids":['
-
-
-def _without_output_ids(data: bytes) -> bytes:
-    """A stream chunk with its `output_ids` array replaced by null, unparsed.
-
-    SGLang's stream is cumulative: every chunk repeats all the output ids so far, so parsing
-    them costs O(n^2) per request (a 4,000-token answer: ~8M ids), and the router never reads
-    them (the text and `meta_info` say everything). Cut by byte search, which is exact: the
-    key's closing quote cannot occur unescaped inside a JSON string, and the array holds only
-    numbers, so its first `]` ends it. Any other spelling (spaces) is parsed whole."""
-    i = data.find(_OUTPUT_IDS)
-    if i < 0:
-        return data
-    j = data.find(b"]", i + len(_OUTPUT_IDS))
-    return data if j < 0 else data[:i] + b'"output_ids":null' + data[j + 1 :]

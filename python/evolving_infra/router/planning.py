@@ -2,11 +2,11 @@
 
 Every `sample_interval` seconds the nodes are sampled into the planner's window (the same
 `planner.slices.Slices` the simulator feeds; arrivals and decoded tokens come from the
-dispatcher); every `interval` seconds the slice is closed and the `evolving` planner decides.
-A decision becomes `SwitchPhase` calls on the chosen engines: they stop getting new requests
-at once (the dispatcher marks them draining), drain, flip in place keeping their KV, and come
-back in the new phase. The planner hears `switch_done()` when every engine of the switch has
-answered, so no new decision is made while one is in flight.
+dispatcher, through `observer.PlannerFeed`); every `interval` seconds the slice is closed and
+the `evolving` planner decides. A decision becomes `SwitchPhase` calls on the chosen engines:
+they stop getting new requests at once (marked draining in the engine registry), drain, flip in
+place keeping their KV, and come back in the new phase. The planner hears `switch_done()` when
+every engine of the switch has answered, so no new decision is made while one is in flight.
 
 Which nodes move: those of the shrinking phase with the least work in flight (the least to
 drain), as the simulator's `Switcher` picks them.
@@ -25,7 +25,7 @@ from evolving_infra.control import EngineClient, EngineControlError
 from evolving_infra.planner.base import Split
 from evolving_infra.planner.evolving import EvolvingPlanner
 from evolving_infra.planner.slices import NodeSample, Slices
-from evolving_infra.router.pd import PdDispatcher
+from evolving_infra.router.registry import EngineRegistry
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.types import Phase
 
@@ -52,10 +52,11 @@ class LivePlanner:
 
     def __init__(
         self,
-        dispatcher: PdDispatcher,
+        registry: EngineRegistry,
         clients: Mapping[int, EngineClient],
         model: IterationModel,
         *,
+        page_size: int,
         interval: float = 60.0,
         window_s: float = 600.0,
         sample_interval: float = SAMPLE_INTERVAL_S,
@@ -64,13 +65,14 @@ class LivePlanner:
     ) -> None:
         """`nodes`: engines the cluster has (default: one per client), including any that
         have not answered yet and join later (the daemon adds their clients to `clients`)."""
-        self.dispatcher = dispatcher
+        self.registry = registry
         self.clients = dict(clients)
         self.model = model
         self.interval = interval
         self.sample_interval = min(sample_interval, interval)
         self.enabled = enabled
-        self.slices = Slices(window_s, block_tokens=dispatcher.page_size)
+        self.page_size = page_size
+        self.slices = Slices(window_s, block_tokens=page_size)
         self.planner = EvolvingPlanner(
             nodes or len(self.clients), interval=interval, window_s=window_s
         )
@@ -81,11 +83,11 @@ class LivePlanner:
         return node in self._switching
 
     def split(self) -> Split:
-        up = [e for e in self.dispatcher.engines.values() if e.state == "up"]
+        up = [e for e in self.registry.engines.values() if e.state == "up"]
         return Split(sum(e.phase == "prefill" for e in up), sum(e.phase == "decode" for e in up))
 
     def node_samples(self) -> list[NodeSample]:
-        d = self.dispatcher
+        d = self.registry
         out = []
         for e in d.engines.values():
             if e.state == "down":
@@ -107,7 +109,7 @@ class LivePlanner:
                     # NOTE: the engines do not report preempted decode requests
                     # (`queued_decode`, 0), and SGLang's decode admits a request only once its
                     # KV is allocated.
-                    kv_capacity_tokens=e.kv_capacity_blocks * d.page_size
+                    kv_capacity_tokens=e.kv_capacity_blocks * self.page_size
                     if e.phase == "decode"
                     else 0,
                 )
@@ -141,9 +143,9 @@ class LivePlanner:
         to: Phase = "prefill" if target.prefill > current.prefill else "decode"
         source: Phase = "decode" if to == "prefill" else "prefill"
         n = abs(target.prefill - current.prefill)
-        loads = self.dispatcher.loads.loads
+        loads = self.registry.loads.loads
         movable = sorted(
-            (e for e in self.dispatcher.engines.values() if e.state == "up" and e.phase == source),
+            (e for e in self.registry.engines.values() if e.state == "up" and e.phase == source),
             key=lambda e: (loads[e.node].in_flight if e.node in loads else 0.0, e.node),
         )[:n]
         if not movable:
@@ -154,7 +156,7 @@ class LivePlanner:
         )
         for e in movable:
             self._switching.add(e.node)
-            self.dispatcher.set_state(e.node, "draining", f"switching to {to}")
+            self.registry.set_state(e.node, "draining", f"switching to {to}")
         asyncio.get_running_loop().create_task(self._switch([e.node for e in movable], to))
 
     async def _switch(self, nodes: list[int], to: Phase) -> None:
@@ -164,7 +166,7 @@ class LivePlanner:
             self.planner.switch_done()
 
     async def _switch_one(self, node: int, to: Phase) -> None:
-        d = self.dispatcher
+        d = self.registry
         try:
             r = await self.clients[node].switch_phase(
                 to, drain_timeout_s=DRAIN_TIMEOUT_S, timeout=DRAIN_TIMEOUT_S + 60.0
