@@ -1,5 +1,5 @@
 //! Differential test: random operation streams applied to `kvdir::Directory` and to the
-//! reference model of `common::reference`, compared after every step (proptest shrinks a failing
+//! reference model of the `kvdir-reference` crate (the fuzz targets' too), compared after every step (proptest shrinks a failing
 //! stream to a minimal one). Hashes come from a small fixed forest (±1..=20, parent h/2) so that
 //! chains share prefixes, plus arbitrary chains that exercise validation errors.
 
@@ -13,8 +13,8 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::msgpack::{self, V};
-use common::reference::{same_kind, RefEvent, Reference};
 use kvdir::{BranchId, Directory, Tier};
+use kvdir_reference::{same_kind, Model, ModelEvent};
 use proptest::prelude::*;
 
 const NODES: u32 = 3;
@@ -84,7 +84,7 @@ enum Op {
     BranchEnd(BranchId),
     Evict(u32, Tier, usize),
     Demote(u32, usize),
-    Events(u32, Vec<RefEvent>, bool),
+    Events(u32, Vec<ModelEvent>, bool),
 }
 
 fn medium() -> impl Strategy<Value = (Option<&'static str>, Option<Tier>)> {
@@ -97,11 +97,11 @@ fn medium() -> impl Strategy<Value = (Option<&'static str>, Option<Tier>)> {
     ]
 }
 
-fn event() -> impl Strategy<Value = (RefEvent, Option<&'static str>)> {
+fn event() -> impl Strategy<Value = (ModelEvent, Option<&'static str>)> {
     prop_oneof![
-        4 => (chain(), medium()).prop_map(|((hs, p), (m, t))| (RefEvent::Stored(hs, p, t), m)),
-        2 => (prop::collection::vec(hash(), 0..3), medium()).prop_map(|(hs, (m, t))| (RefEvent::Removed(hs, t), m)),
-        1 => Just((RefEvent::Cleared, None)),
+        4 => (chain(), medium()).prop_map(|((hs, p), (m, t))| (ModelEvent::Stored(hs, p, t), m)),
+        2 => (prop::collection::vec(hash(), 0..3), medium()).prop_map(|(hs, (m, t))| (ModelEvent::Removed(hs, t), m)),
+        1 => Just((ModelEvent::Cleared, None)),
     ]
 }
 
@@ -123,9 +123,10 @@ fn op() -> impl Strategy<Value = Op> {
             let mut wire = Vec::new();
             for (e, m) in evs {
                 wire.push(match &e {
-                    RefEvent::Stored(hs, p, _) => if positional { msgpack::stored_positional(hs, *p, m) } else { msgpack::stored_map(hs, *p, m) },
-                    RefEvent::Removed(hs, _) => if positional { msgpack::removed_positional(hs, m) } else { msgpack::removed_map(hs, m) },
-                    RefEvent::Cleared => if positional { V::Arr(vec![msgpack::s("AllBlocksCleared")]) } else { msgpack::cleared_map() },
+                    ModelEvent::Stored(hs, p, _) => if positional { msgpack::stored_positional(hs, *p, m) } else { msgpack::stored_map(hs, *p, m) },
+                    ModelEvent::Removed(hs, _) => if positional { msgpack::removed_positional(hs, m) } else { msgpack::removed_map(hs, m) },
+                    ModelEvent::Cleared => if positional { V::Arr(vec![msgpack::s("AllBlocksCleared")]) } else { msgpack::cleared_map() },
+                    ModelEvent::Unknown => unreachable!("`event()` makes no unknown events"),
                 });
                 events.push(e);
             }
@@ -136,7 +137,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// Re-encodes reference events (positional or map), mediums chosen to match their tiers.
-fn encode(events: &[RefEvent], positional: bool) -> Vec<u8> {
+fn encode(events: &[ModelEvent], positional: bool) -> Vec<u8> {
     let med = |t: &Option<Tier>| match t {
         Some(Tier::L1) => Some("GPU"),
         Some(Tier::L2) => Some("CPU_PINNED"),
@@ -146,20 +147,21 @@ fn encode(events: &[RefEvent], positional: bool) -> Vec<u8> {
         events
             .iter()
             .map(|e| match e {
-                RefEvent::Stored(hs, p, t) if positional => {
+                ModelEvent::Stored(hs, p, t) if positional => {
                     msgpack::stored_positional(hs, *p, med(t))
                 }
-                RefEvent::Stored(hs, p, t) => msgpack::stored_map(hs, *p, med(t)),
-                RefEvent::Removed(hs, t) if positional => msgpack::removed_positional(hs, med(t)),
-                RefEvent::Removed(hs, t) => msgpack::removed_map(hs, med(t)),
-                RefEvent::Cleared if positional => V::Arr(vec![msgpack::s("AllBlocksCleared")]),
-                RefEvent::Cleared => msgpack::cleared_map(),
+                ModelEvent::Stored(hs, p, t) => msgpack::stored_map(hs, *p, med(t)),
+                ModelEvent::Removed(hs, t) if positional => msgpack::removed_positional(hs, med(t)),
+                ModelEvent::Removed(hs, t) => msgpack::removed_map(hs, med(t)),
+                ModelEvent::Cleared if positional => V::Arr(vec![msgpack::s("AllBlocksCleared")]),
+                ModelEvent::Cleared => msgpack::cleared_map(),
+                ModelEvent::Unknown => unreachable!("`event()` makes no unknown events"),
             })
             .collect(),
     )
 }
 
-fn compare(d: &Directory, r: &Reference) -> Result<(), TestCaseError> {
+fn compare(d: &Directory, r: &Model) -> Result<(), TestCaseError> {
     d.check_invariants();
     prop_assert_eq!(d.len(), r.parent.len(), "known blocks");
     for h in (-UNIVERSE..=UNIVERSE).filter(|&h| h != 0) {
@@ -191,9 +193,17 @@ fn compare(d: &Directory, r: &Reference) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// How the harness removes blocks from the directory under test: `Directory::remove`, or, in
+/// the self-test, a directory that drops removals.
+type Remove = fn(&mut Directory, u32, Tier, &[i64]);
+
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    run_with(ops, Directory::remove)
+}
+
+fn run_with(ops: Vec<Op>, remove: Remove) -> Result<(), TestCaseError> {
     let mut d = Directory::new();
-    let mut r = Reference::default();
+    let mut r = Model::default();
     for (step, op) in ops.into_iter().enumerate() {
         // Half-steps make equal times common, so the depth and hash tie-breaks get exercised.
         let now = (step / 2) as f64;
@@ -207,7 +217,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
             }
             Op::Remove(n, t, c) => {
-                d.remove(n, t, &c);
+                remove(&mut d, n, t, &c);
                 r.remove(n, t, &c);
             }
             Op::Clear(n, t) => {
@@ -216,7 +226,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Touch(n, c) => {
                 d.touch(n, &c, now).unwrap();
-                r.touch(n, &c, now);
+                r.touch(n, &c, now).unwrap();
             }
             Op::BranchSet(b, c, v) => {
                 let (x, y) = (d.branch_set(b.clone(), &c, v), r.branch_set(b, &c, v));
@@ -311,4 +321,26 @@ proptest! {
         prop_assert!(d.apply_events(0, &payload[..cut], 0.0).is_err());
         prop_assert!(d.is_empty());
     }
+}
+
+/// The harness can fail: a directory that ignores `remove` is caught (the same streams, from a
+/// fixed seed, as `directory_matches_reference` draws).
+#[test]
+fn the_harness_fails_a_directory_that_drops_removals() {
+    use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+    let config = ProptestConfig {
+        cases: 256,
+        failure_persistence: None,
+        max_shrink_iters: 0,
+        ..ProptestConfig::default()
+    };
+    let mut runner =
+        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
+    let found = runner.run(&prop::collection::vec(op(), 1..40), |ops| {
+        run_with(ops, |_, _, _, _| {})
+    });
+    assert!(
+        found.is_err(),
+        "a directory that drops removals passed the differential test"
+    );
 }

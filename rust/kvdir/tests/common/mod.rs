@@ -1,5 +1,4 @@
-//! Shared test support: a clean-room reference model of the directory and a tiny MessagePack
-//! writer for building SGLang event batches.
+//! Shared test support: a tiny MessagePack writer for building SGLang event batches (the
+//! reference model of the directory is the `kvdir-reference` crate).
 
 pub mod msgpack;
-pub mod reference;

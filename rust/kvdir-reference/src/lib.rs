@@ -1,6 +1,15 @@
 //! A reference model of the directory (DESIGN §2), as plain as it can be: ordered maps, garbage
 //! collected to a fixed point after every call, eviction order sorted on every call. Fine for the
-//! few dozen blocks a fuzz input builds; quadratic and worse beyond that.
+//! few dozen blocks a test or fuzz input builds; quadratic and worse beyond that.
+//!
+//! Written from the design, not from `kvdir`'s code, so that a bug shared by the two would have
+//! to be made twice. The one model both the differential test (`kvdir/tests/differential.rs`)
+//! and the fuzz targets (`kvdir/fuzz`) compare `kvdir::Directory` against.
+
+#![allow(
+    clippy::missing_panics_doc,
+    reason = "a test oracle: its panics are broken invariants of its own, not errors to document"
+)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -35,6 +44,12 @@ pub struct Model {
     pub events_skipped: u64,
     /// Inside `apply`: garbage waits for the end of the batch.
     in_batch: bool,
+}
+
+/// Same error kind (the payload may differ when several problems exist at once).
+#[must_use]
+pub fn same_kind(a: &Error, b: &Error) -> bool {
+    std::mem::discriminant(a) == std::mem::discriminant(b)
 }
 
 fn time(now: f64) -> Result<f64, Error> {
