@@ -1,12 +1,14 @@
-"""Dispatch to prefill/decode engines with SGLang's PD request protocol (the live router's core).
+"""Dispatch to prefill/decode engines (the live router's core): placement, the decode-KV gate,
+retries and aborts.
 
 For each request the routing policy (`evolving_infra.routing`, the same objects the simulator
-drives) picks a prefill node and a decode node from the router's view of every engine
-(`NodeLoad`s kept by `LoadTracker`) and the cluster directory. The request then goes to both at
-once, as SGLang's gateway sends it (notes `sglang-0.5.23.md` §1.2, "Request contract"): the same
-`/generate` body with `bootstrap_host`/`bootstrap_port` of the prefill engine and a random
-`bootstrap_room`; the decode engine pulls the KV from the prefill engine and streams the tokens.
-Only the decode stream reaches the client; the prefill answer only ends the prefill bookkeeping.
+drives) picks a prefill node and a decode node from the router's view of every engine (the
+`EngineRegistry`'s engines and the `NodeLoad`s of its `LoadTracker`) and the directory's match
+of the prompt, taken once (`RouteRequest.matched`). The request then goes to both at once
+through the `PdTransport` (`transport.py`: SGLang's PD request protocol, notes
+`sglang-0.5.23.md` §1.2); only the decode stream reaches the client, the prefill answer only
+ends the prefill bookkeeping. The `DispatchObserver` hears of each request (the planner's
+window, the metrics). Registry, transport and observer are given at construction.
 
 Load is tracked on the router side, from what it dispatched (as Dynamo's and SGLang's routers
 do), so choosing a node needs no round trip: a request adds its predicted prefill seconds to its
