@@ -523,6 +523,31 @@ def test_predict_prefill_many_matches_single_predictions() -> None:
             _feed(m, Roof().prefill, _training(28, 100))
 
 
+def test_the_prefill_form_is_the_models_one_evaluation_of_its_fit() -> None:
+    """`PrefillForm` is what every prefill prediction evaluates (one request, a batch's totals,
+    many requests) and the tuple the Rust scorer takes; its hinge starts past the knee."""
+    m = IterationModel(prior=DEFAULT_DEPLOYMENT)
+    for _ in range(2):  # the prior, then a fit
+        f = m.prefill_form()
+        assert isinstance(f, tuple)
+        assert len(f) == 6
+        for u, c in ((1, 0), (100, 5_000), (9_000, 20_000)):
+            assert m.predict_prefill_one(u, c) == f.seconds(u, c)
+            assert m.predict_prefill([(u, c)]) == f.seconds(u, c)
+            pairs = u * c + u * (u + 1) * 0.5
+            assert m.predict_prefill_totals(u, pairs, c) == f.totals(u, pairs, c)
+        many = f.many([1, 100, 9_000], [0, 5_000, 20_000])
+        assert many.tolist() == pytest.approx(
+            [f.seconds(1, 0), f.seconds(100, 5_000), f.seconds(9_000, 20_000)], rel=1e-12
+        )
+        if math.isfinite(f.knee) and f.knee >= 2:
+            k = int(f.knee)
+            below = f.seconds(k, 0) - f.seconds(k - 1, 0)
+            above = f.seconds(k + 2, 0) - f.seconds(k + 1, 0)
+            assert above > below  # the hinge adds its slope past the knee only
+        _feed(m, Roof().prefill, _training(28, 100))
+
+
 def test_error_is_out_of_sample_and_shrinks_as_the_model_converges() -> None:
     roof = Roof()
     m = IterationModel()

@@ -33,7 +33,7 @@ def reference(
     p: TTFTPredictor, nodes: dict[int, tuple[int, int]], pool: int, prompt: int
 ) -> dict[int, float]:
     """TTFT per candidate straight from the definition, one node at a time."""
-    b0, b1, b2, b3, b4, knee = p.model.prefill_coefficients()
+    b0, b1, b2, b3, b4, knee = p.model.prefill_form()
     block_bytes = BS * KVB
 
     def prefill(u: float, c: float) -> float:

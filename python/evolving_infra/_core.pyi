@@ -128,14 +128,16 @@ class PrefixMatch:
         self,
         prompt_tokens: int,
         block_size: int,
-        coefficients: tuple[float, float, float, float, float, float],
+        form: tuple[float, float, float, float, float, float],
         l2_seconds_per_block: float,
         pool_seconds_per_block: float,
         slot: npt.NDArray[np.int64],
         queue: npt.NDArray[np.float64],
         out: npt.NDArray[np.float64],
     ) -> int:
-        """Each candidate's predicted TTFT into `out`; returns the index of the least."""
+        """Each candidate's predicted TTFT into `out`; returns the index of the least. `form`:
+        the model's `timing.model.PrefillForm` (intercept, uncached, hinge, attention, cached,
+        knee)."""
 
     def __len__(self) -> int:
         """Number of nodes with l12 > 0."""

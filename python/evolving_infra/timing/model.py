@@ -30,6 +30,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +70,43 @@ _GENERIC: dict[Phase, tuple[float, ...]] = {
 _GENERIC_SCALE_S = 10e-3
 
 
+class PrefillForm(NamedTuple):
+    """A prefill iteration's time as the model writes it, with its fitted figures: seconds =
+    intercept + uncached·U + hinge·max(0, U - knee) + attention·A + cached·C over the batch's
+    uncached tokens U, query-key pairs A (Σ u·c + u(u+1)/2) and cached tokens C (module
+    docstring), at least `_MIN_SECONDS`. The one evaluation of the form in Python (`totals`,
+    `seconds`, `many`); the TTFT scorer takes the record as it is (a tuple:
+    `kvdir::scoring::PrefillForm`), so the two cannot drift apart in what they are given."""
+
+    intercept: float
+    uncached: float
+    hinge: float
+    attention: float
+    cached: float
+    knee: float  # uncached tokens; inf: no hinge
+
+    def totals(self, uncached: float, pairs: float, cached: float) -> float:
+        """Seconds of an iteration from its summed features."""
+        b0, b1, b2, b3, b4, knee = self
+        t = b0 + b1 * uncached + (b2 * (uncached - knee) if uncached > knee else 0.0)
+        t += b3 * pairs
+        t += b4 * cached
+        return max(t, _MIN_SECONDS)
+
+    def seconds(self, uncached: float, cached: float) -> float:
+        """Seconds of one request's prefill alone."""
+        return self.totals(uncached, uncached * cached + uncached * (uncached + 1) * 0.5, cached)
+
+    def many(self, uncached: npt.ArrayLike, cached: npt.ArrayLike) -> FloatArray:
+        """`seconds` per element (vectorized: a handful of numpy operations)."""
+        b0, b1, b2, b3, b4, knee = self
+        u, c = np.asarray(uncached, np.float64), np.asarray(cached, np.float64)
+        t = b0 + b1 * u + b2 * np.maximum(u - knee, 0.0)
+        t = t + b3 * (u * c + u * (u + 1.0) * 0.5) + b4 * c
+        out: FloatArray = np.maximum(t, _MIN_SECONDS)
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Fit:
     beta: FloatArray  # coefficients in _NAMES order, seconds per unit of each feature
@@ -77,9 +115,17 @@ class _Fit:
     # The coefficients as Python floats: one prediction in plain arithmetic costs a fraction of
     # a microsecond, where numpy's per-call overhead is several (the router predicts per node).
     coef: tuple[float, ...] = field(init=False)
+    # A prefill fit's figures as the form that evaluates them (None for a decode fit).
+    form: PrefillForm | None = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "coef", tuple(float(b) for b in self.beta))
+        coef = tuple(float(b) for b in self.beta)
+        object.__setattr__(self, "coef", coef)
+        form = None
+        if len(coef) == len(_NAMES["prefill"]):
+            b0, b1, b2, b3, b4 = coef
+            form = PrefillForm(b0, b1, b2, b3, b4, self.knee)
+        object.__setattr__(self, "form", form)
 
     def predict(self, raw: FloatArray) -> FloatArray:
         return np.maximum(_design(raw, self.knee) @ self.beta, _MIN_SECONDS)
@@ -519,6 +565,13 @@ class IterationModel:
 
     # -- predicting -----------------------------------------------------------------------------
 
+    def prefill_form(self) -> PrefillForm:
+        """The prefill form with the current fit's figures (for callers that evaluate it over
+        many nodes: the TTFT predictor hands it to the Rust scorer)."""
+        form = self._phases["prefill"].fit.form
+        assert form is not None, "a prefill fit has a prefill form"
+        return form
+
     def predict_prefill(self, batch: PrefillBatch) -> float:
         """Seconds for one prefill iteration over `batch` of (uncached, cached) requests."""
         uncached = pairs = cached = 0.0
@@ -526,24 +579,16 @@ class IterationModel:
             uncached += u
             pairs += u * c + u * (u + 1) * 0.5
             cached += c
-        return self._phases["prefill"].fit.one(uncached, pairs, cached)
+        return self.prefill_form().totals(uncached, pairs, cached)
 
     def predict_prefill_totals(self, uncached: float, pairs: float, cached: float) -> float:
         """`predict_prefill` from a batch's summed features: its uncached tokens, query-key
         pairs (Σ u·c + u(u+1)/2) and cached tokens."""
-        return self._phases["prefill"].fit.one(uncached, pairs, cached)
+        return self.prefill_form().totals(uncached, pairs, cached)
 
     def predict_prefill_one(self, uncached: float, cached: float) -> float:
         """`predict_prefill([(uncached, cached)])` without building a batch (the router's path)."""
-        pairs = uncached * cached + uncached * (uncached + 1) * 0.5
-        return self._phases["prefill"].fit.one(uncached, pairs, cached)
-
-    def prefill_coefficients(self) -> tuple[float, float, float, float, float, float]:
-        """(intercept, uncached, hinge, attention, cached, knee) as plain floats, for callers
-        that evaluate the prefill form themselves (the TTFT predictor, over many nodes)."""
-        f = self._phases["prefill"].fit
-        b0, b1, b2, b3, b4 = f.coef
-        return b0, b1, b2, b3, b4, f.knee
+        return self.prefill_form().seconds(uncached, cached)
 
     def predict_decode(self, batch_size: int, context_tokens: int) -> float:
         """Seconds for one decode step of `batch_size` requests over `context_tokens` of KV."""
@@ -551,13 +596,7 @@ class IterationModel:
 
     def predict_prefill_many(self, uncached: npt.ArrayLike, cached: npt.ArrayLike) -> FloatArray:
         """Single-request prefill seconds per element (vectorized: a handful of numpy ops)."""
-        u, c = np.asarray(uncached, np.float64), np.asarray(cached, np.float64)
-        f = self._phases["prefill"].fit
-        b = f.beta
-        t = b[0] + b[1] * u + b[2] * np.maximum(u - f.knee, 0.0)
-        t = t + b[3] * (u * c + u * (u + 1.0) * 0.5) + b[4] * c
-        out: FloatArray = np.maximum(t, _MIN_SECONDS)
-        return out
+        return self.prefill_form().many(uncached, cached)
 
     # `samples.Timing`: a fitted model stands wherever a ground truth does.
     def prefill_time(self, batch: PrefillBatch) -> float:

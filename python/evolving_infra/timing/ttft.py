@@ -111,7 +111,7 @@ class TTFTPredictor:
         return match.ttft(
             prompt_tokens,
             self.block_size,
-            self.model.prefill_coefficients(),
+            self.model.prefill_form(),
             self.block_bytes / self.bandwidth["l2"],
             self.block_bytes / self.bandwidth["pool"],
             self._slot,

@@ -54,6 +54,17 @@ impl KvDirectory {
         }
         py.detach(|| f(&self.inner.read()))
     }
+
+    /// `write` for a call that can fail: the directory's error becomes its Python exception once
+    /// the GIL is back (the one place the bindings release the GIL around a fallible call).
+    fn try_write<R: Send>(
+        &self,
+        py: Python<'_>,
+        long: bool,
+        f: impl FnOnce(&mut Directory) -> kvdir::Result<R> + Send,
+    ) -> PyResult<R> {
+        self.write(py, long, f).map_err(|e| to_py(py, e))
+    }
 }
 
 fn tier_opt(py: Python<'_>, tier: Option<&str>) -> PyResult<Option<kvdir::Tier>> {
@@ -88,10 +99,9 @@ impl KvDirectory {
             .map(convert::hash)
             .transpose()?;
         let now = convert::now(now);
-        self.write(py, hashes.len() > LONG_CALL, |d| {
+        self.try_write(py, hashes.len() > LONG_CALL, |d| {
             d.store(node, tier, &hashes, parent, now)
         })
-        .map_err(|e| to_py(py, e))
     }
 
     /// `(node, tier)` no longer holds `hashes`; unknown or not-held hashes are ignored.
@@ -140,10 +150,9 @@ impl KvDirectory {
         let node = convert::node(node)?;
         let hashes = convert::hashes(hashes)?;
         let now = convert::now(now);
-        self.write(py, hashes.len() > LONG_CALL, |d| {
+        self.try_write(py, hashes.len() > LONG_CALL, |d| {
             d.touch(node, &hashes, now)
         })
-        .map_err(|e| to_py(py, e))
     }
 
     /// The branch's live context is now exactly `hashes`; False if `version` is stale.
@@ -171,10 +180,9 @@ impl KvDirectory {
                 })
             })
             .transpose()?;
-        self.write(py, hashes.len() > LONG_CALL, |d| {
+        self.try_write(py, hashes.len() > LONG_CALL, |d| {
             d.branch_set(id, &hashes, version)
         })
-        .map_err(|e| to_py(py, e))
     }
 
     /// `dst` starts with `src`'s context and version.
@@ -282,9 +290,7 @@ impl KvDirectory {
         let node = convert::node(node)?;
         let n = convert::count(n, "n")?;
         let now = convert::now(now);
-        let demoted = self
-            .write(py, n > 64, |d| d.demote(node, n, now))
-            .map_err(|e| to_py(py, e))?;
+        let demoted = self.try_write(py, n > 64, |d| d.demote(node, n, now))?;
         Ok(demoted.into_iter().unzip())
     }
 
@@ -309,8 +315,7 @@ impl KvDirectory {
             kvdir::events::decode_batch(bytes)
         }
         .map_err(|e| to_py(py, e))?;
-        self.write(py, long, |d| d.apply_batch(node, &batch, now))
-            .map_err(|e| to_py(py, e))
+        self.try_write(py, long, |d| d.apply_batch(node, &batch, now))
     }
 
     /// Sizes of the directory: blocks, placeholders, locations (per tier), nodes, branches,
@@ -388,27 +393,30 @@ impl PrefixMatch {
 
     /// Each candidate's predicted TTFT into `out`; returns the index of the least.
     /// The router's hot path (`evolving_infra.timing.ttft` says what the figures mean).
-    #[pyo3(signature = (prompt_tokens, block_size, coefficients, l2_seconds_per_block,
+    /// `form`: the model's `PrefillForm` (intercept, uncached, hinge, attention, cached, knee).
+    #[pyo3(signature = (prompt_tokens, block_size, form, l2_seconds_per_block,
         pool_seconds_per_block, slot, queue, out))]
     #[allow(clippy::too_many_arguments)] // one flat call: every argument is a number or array
     fn ttft(
         &self,
         prompt_tokens: u64,
         block_size: u32,
-        coefficients: (f64, f64, f64, f64, f64, f64),
+        form: (f64, f64, f64, f64, f64, f64),
         l2_seconds_per_block: f64,
         pool_seconds_per_block: f64,
         slot: PyReadonlyArray1<'_, i64>,
         queue: PyReadonlyArray1<'_, f64>,
         mut out: PyReadwriteArray1<'_, f64>,
     ) -> PyResult<usize> {
-        let (b0, b1, b2, b3, b4, knee) = coefficients;
+        let (b0, b1, b2, b3, b4, knee) = form;
         let params = kvdir::scoring::TtftParams {
             #[allow(clippy::cast_precision_loss)] // token counts are far below 2^53
             prompt_tokens: prompt_tokens as f64,
             block_size: f64::from(block_size),
-            coef: [b0, b1, b2, b3, b4],
-            knee,
+            form: kvdir::scoring::PrefillForm {
+                coef: [b0, b1, b2, b3, b4],
+                knee,
+            },
             l2_seconds_per_block,
             pool_seconds_per_block,
         };

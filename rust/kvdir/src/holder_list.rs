@@ -1,4 +1,5 @@
-//! `HolderList`: a block's holders in 16 bytes — the size of one holder.
+//! `Holder` (one place holding a block) and `HolderList`: a block's holders in 16 bytes — the
+//! size of one holder; and `prefetch_addr`, the cache hint the list and the block table share.
 //!
 //! Almost every block is held by one place, so the list stores a single holder in place and
 //! moves to the heap only from two holders on. A `SmallVec<[Holder; 1]>` does the same in 24 bytes
@@ -19,7 +20,7 @@ use std::ops::{Deref, DerefMut};
 
 use smallvec::SmallVec;
 
-use crate::table::Holder;
+use crate::Place;
 
 /// First word of an empty list.
 const EMPTY: u32 = u32::MAX;
@@ -140,7 +141,7 @@ impl HolderList {
     pub(crate) fn prefetch(&self, pos: usize) {
         if let Some(h) = self.heap().filter(|h| h.len() > 0) {
             let at = pos.min(h.len() - 1);
-            crate::table::prefetch_addr(h.ptr.wrapping_add(at).addr());
+            prefetch_addr(h.ptr.wrapping_add(at).addr());
         }
     }
 
@@ -350,6 +351,95 @@ impl std::fmt::Debug for HolderList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list().entries(self.iter()).finish()
     }
+}
+
+/// One holding of a block: a (node, tier) pair, its last-access time, how many of the block's
+/// children the same place holds (0 means the block is an eviction candidate there), and two
+/// "rooted" flags that let `match` count per-node prefixes without visiting every holder of every
+/// block: `ROOT_TIER` (L1 entries only) — this place also holds every ancestor; `ROOT_NODE` (on
+/// every entry of the node) — the node holds every ancestor in some tier.
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub(crate) struct Holder {
+    pub(crate) place: Place,
+    bits: u32,
+    pub(crate) time: f64,
+}
+
+const ROOT_TIER: u32 = 1 << 30;
+const ROOT_NODE: u32 = 1 << 31;
+const COUNT: u32 = ROOT_TIER - 1;
+
+impl Holder {
+    pub(crate) fn new(
+        place: Place,
+        held_children: u32,
+        time: f64,
+        root_tier: bool,
+        root_node: bool,
+    ) -> Self {
+        assert!(
+            held_children <= COUNT,
+            "more than 2^30 children held at one place"
+        );
+        let bits = held_children
+            | if root_tier { ROOT_TIER } else { 0 }
+            | if root_node { ROOT_NODE } else { 0 };
+        Holder { place, bits, time }
+    }
+
+    /// Children of the block held at the same place.
+    pub(crate) fn held_children(&self) -> u32 {
+        self.bits & COUNT
+    }
+
+    pub(crate) fn add_held_children(&mut self, delta: i32) {
+        let n = self
+            .held_children()
+            .checked_add_signed(delta)
+            .expect("held-children count in range");
+        assert!(n <= COUNT, "more than 2^30 children held at one place");
+        self.bits = (self.bits & !COUNT) | n;
+    }
+
+    pub(crate) fn root_tier(&self) -> bool {
+        self.bits & ROOT_TIER != 0
+    }
+
+    pub(crate) fn set_root_tier(&mut self, on: bool) {
+        self.bits = if on {
+            self.bits | ROOT_TIER
+        } else {
+            self.bits & !ROOT_TIER
+        };
+    }
+
+    pub(crate) fn root_node(&self) -> bool {
+        self.bits & ROOT_NODE != 0
+    }
+
+    pub(crate) fn set_root_node(&mut self, on: bool) {
+        self.bits = if on {
+            self.bits | ROOT_NODE
+        } else {
+            self.bits & !ROOT_NODE
+        };
+    }
+}
+
+/// Asks the CPU to start loading the cache line at `addr` (a hint: any address, no effect on
+/// results).
+#[inline]
+pub(crate) fn prefetch_addr(addr: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults and reads nothing in the language's sense,
+    // whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(std::ptr::without_provenance::<i8>(addr));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addr;
 }
 
 #[cfg(test)]

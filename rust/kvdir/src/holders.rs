@@ -10,7 +10,8 @@
 
 use crate::directory::Directory;
 use crate::eviction::EvKey;
-use crate::table::{lower_bound, lower_bound_near, Holder, NIL};
+use crate::holder_list::Holder;
+use crate::table::{lower_bound, lower_bound_near, NIL};
 use crate::wide::Kind;
 use crate::{NodeId, Place, Tier};
 use smallvec::SmallVec;

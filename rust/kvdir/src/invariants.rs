@@ -6,7 +6,8 @@ use hashbrown::HashMap;
 
 use crate::directory::Directory;
 use crate::eviction::EvKey;
-use crate::table::{Block, Holder, NIL};
+use crate::holder_list::Holder;
+use crate::table::{Block, NIL};
 use crate::{BlockHash, Place, Tier};
 
 impl Directory {

@@ -22,9 +22,10 @@ mod table;
 mod wide;
 
 pub use branches::BranchId;
-pub use directory::{Directory, PrefixMatch, Stats};
+pub use directory::{Directory, Stats};
 pub use error::{Error, Result};
 pub use hash::{block_hashes, trace_chain};
+pub use matching::PrefixMatch;
 
 /// A block: its SGLang page hash, as a signed 64-bit int.
 pub type BlockHash = i64;

@@ -6,9 +6,30 @@
 //! `max(queue_n, fetch_n) + prefill(p - c_n, c_n)`, with `c_n` the cached tokens (the node's own
 //! L1 ∪ L2 prefix or the shared pool's, whichever is longer, capped so one token is computed),
 //! `fetch_n` the time to bring the L2 and pool blocks into GPU memory, and `prefill(u, c) = b0 +
-//! b1·u + b2·max(0, u - knee) + b3·(u·c + u(u+1)/2) + b4·c`, the iteration-time model's form.
+//! b1·u + b2·max(0, u - knee) + b3·(u·c + u(u+1)/2) + b4·c`, the iteration-time model's form
+//! ([`PrefillForm`], the record Python's model hands over).
 
 use crate::PrefixMatch;
+
+/// The iteration-time model's prefill form and its fitted figures: Python's
+/// `timing.model.PrefillForm`, which the bindings hand over as it is (a 6-tuple).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillForm {
+    /// Coefficients: intercept, uncached, hinge, attention pairs, cached.
+    pub coef: [f64; 5],
+    /// Uncached tokens where the hinge starts (infinite: no hinge).
+    pub knee: f64,
+}
+
+impl PrefillForm {
+    /// Seconds of one request's prefill alone: `u` uncached tokens over `c` cached ones.
+    #[must_use]
+    pub fn seconds(&self, u: f64, c: f64) -> f64 {
+        let [b0, b1, b2, b3, b4] = self.coef;
+        let hinge = if u > self.knee { u - self.knee } else { 0.0 };
+        b0 + b1 * u + b2 * hinge + b3 * (u * c + u * (u + 1.0) * 0.5) + b4 * c
+    }
+}
 
 /// What the TTFT of one request depends on besides the match and the queues.
 #[derive(Debug, Clone, Copy)]
@@ -17,10 +38,8 @@ pub struct TtftParams {
     pub prompt_tokens: f64,
     /// Tokens per block.
     pub block_size: f64,
-    /// Prefill coefficients: intercept, uncached, hinge, attention pairs, cached.
-    pub coef: [f64; 5],
-    /// Uncached tokens where the hinge starts (infinite: no hinge).
-    pub knee: f64,
+    /// The prefill's time (the iteration-time model's current fit).
+    pub form: PrefillForm,
     /// Seconds to fetch one block from the node's own L2.
     pub l2_seconds_per_block: f64,
     /// Seconds to fetch one block from the shared pool.
@@ -30,10 +49,7 @@ pub struct TtftParams {
 impl TtftParams {
     fn prefill(&self, cached_blocks: f64) -> f64 {
         let c = (cached_blocks * self.block_size).min(self.prompt_tokens - 1.0);
-        let u = self.prompt_tokens - c;
-        let [b0, b1, b2, b3, b4] = self.coef;
-        let hinge = if u > self.knee { u - self.knee } else { 0.0 };
-        b0 + b1 * u + b2 * hinge + b3 * (u * c + u * (u + 1.0) * 0.5) + b4 * c
+        self.form.seconds(self.prompt_tokens - c, c)
     }
 }
 
@@ -90,8 +106,10 @@ mod tests {
         TtftParams {
             prompt_tokens: 1000.0,
             block_size: 100.0,
-            coef: [0.01, 1e-4, 2e-4, 1e-9, 1e-6],
-            knee: 200.0,
+            form: PrefillForm {
+                coef: [0.01, 1e-4, 2e-4, 1e-9, 1e-6],
+                knee: 200.0,
+            },
             l2_seconds_per_block: 0.01,
             pool_seconds_per_block: 0.05,
         }

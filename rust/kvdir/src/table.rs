@@ -7,7 +7,7 @@
 
 use hashbrown::HashTable;
 
-use crate::holder_list::HolderList;
+use crate::holder_list::{prefetch_addr, Holder, HolderList};
 use crate::{BlockHash, NodeId, Place};
 
 /// "No block": the parent of a first page, the end of a child list.
@@ -15,80 +15,6 @@ pub(crate) const NIL: u32 = u32::MAX;
 
 /// Marks a slab slot whose block was dropped (kept in `depth`, which real blocks never reach).
 const FREED: u32 = u32::MAX;
-
-/// One holding of a block: a (node, tier) pair, its last-access time, how many of the block's
-/// children the same place holds (0 means the block is an eviction candidate there), and two
-/// "rooted" flags that let `match` count per-node prefixes without visiting every holder of every
-/// block: `ROOT_TIER` (L1 entries only) — this place also holds every ancestor; `ROOT_NODE` (on
-/// every entry of the node) — the node holds every ancestor in some tier.
-#[derive(Debug, Clone, Copy)]
-#[repr(C)]
-pub(crate) struct Holder {
-    pub(crate) place: Place,
-    bits: u32,
-    pub(crate) time: f64,
-}
-
-const ROOT_TIER: u32 = 1 << 30;
-const ROOT_NODE: u32 = 1 << 31;
-const COUNT: u32 = ROOT_TIER - 1;
-
-impl Holder {
-    pub(crate) fn new(
-        place: Place,
-        held_children: u32,
-        time: f64,
-        root_tier: bool,
-        root_node: bool,
-    ) -> Self {
-        assert!(
-            held_children <= COUNT,
-            "more than 2^30 children held at one place"
-        );
-        let bits = held_children
-            | if root_tier { ROOT_TIER } else { 0 }
-            | if root_node { ROOT_NODE } else { 0 };
-        Holder { place, bits, time }
-    }
-
-    /// Children of the block held at the same place.
-    pub(crate) fn held_children(&self) -> u32 {
-        self.bits & COUNT
-    }
-
-    pub(crate) fn add_held_children(&mut self, delta: i32) {
-        let n = self
-            .held_children()
-            .checked_add_signed(delta)
-            .expect("held-children count in range");
-        assert!(n <= COUNT, "more than 2^30 children held at one place");
-        self.bits = (self.bits & !COUNT) | n;
-    }
-
-    pub(crate) fn root_tier(&self) -> bool {
-        self.bits & ROOT_TIER != 0
-    }
-
-    pub(crate) fn set_root_tier(&mut self, on: bool) {
-        self.bits = if on {
-            self.bits | ROOT_TIER
-        } else {
-            self.bits & !ROOT_TIER
-        };
-    }
-
-    pub(crate) fn root_node(&self) -> bool {
-        self.bits & ROOT_NODE != 0
-    }
-
-    pub(crate) fn set_root_node(&mut self, on: bool) {
-        self.bits = if on {
-            self.bits | ROOT_NODE
-        } else {
-            self.bits & !ROOT_NODE
-        };
-    }
-}
 
 /// A known block. Children form a doubly linked sibling list so that a child is unlinked in O(1)
 /// and a parent can count its held children when a place stores it after them.
@@ -269,21 +195,6 @@ impl ProbeHint {
             mask: index.num_buckets() - 1,
         }
     }
-}
-
-/// Asks the CPU to start loading the cache line at `addr` (a hint: any address, no effect on
-/// results).
-#[inline]
-pub(crate) fn prefetch_addr(addr: usize) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint that never faults and reads nothing in the language's sense,
-    // whatever the address.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(std::ptr::without_provenance::<i8>(addr));
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = addr;
 }
 
 /// How many query blocks ahead a walk asks for the index's lines (`prefetch_hash`).
