@@ -381,7 +381,9 @@ def test_the_decode_engine_is_the_one_whose_room_the_gate_gave() -> None:
     asyncio.run(run())
 
 
-def test_the_decode_leg_goes_to_the_engine_the_gate_gave_not_the_policys_pick() -> None:
+def test_the_decode_leg_goes_to_the_engine_the_gate_gave_not_the_policys_pick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     d = _dispatcher(True, ("prefill", "decode", "decode"))
     engine_of: list[int] = []
 
@@ -398,7 +400,7 @@ def test_the_decode_leg_goes_to_the_engine_the_gate_gave_not_the_policys_pick() 
 
     d.transport = Legs(prefill, decode)
     assert d.gate is not None
-    d.gate.wait = gate_gives_engine_2  # type: ignore[method-assign]
+    monkeypatch.setattr(d.gate, "wait", gate_gives_engine_2)
 
     async def run() -> None:
         async for _ in d.generate(_request("r", 4 * PAGE)):
