@@ -81,20 +81,23 @@ class Cluster:
         self.index: LoadIndex | None = make() if make is not None else None
         planner = policy.planner(ctx) if policy.planner is not None else None
         split = policy.split or config.split()
+        # Built once: `SimConfig`'s node figures build one on every read, and the transfers and
+        # fetches below read them per request.
+        hw = self.hardware = config.hardware
         settings = NodeSettings(
             block_size=bs,
-            block_bytes=config.block_bytes(bs),
+            block_bytes=hw.block_bytes(bs),
             chunk_tokens=config.chunk_tokens,
             span_cap=config.decode_span_cap,
-            l2_bandwidth=config.l2_bandwidth,
-            pool_bandwidth=config.pool_bandwidth,
-            net_bandwidth=config.pd_bandwidth,
+            l2_bandwidth=hw.l2_bandwidth,
+            pool_bandwidth=hw.pool_bandwidth,
+            net_bandwidth=hw.pd_bandwidth,
             shared_pool=policy.shared_pool,
             prefetch=policy.prefetch,
             accepted=config.deployment.mtp_accepted,
         )
-        self.l1_blocks = config.l1_blocks(bs)
-        l2 = config.l2_blocks(bs)
+        self.l1_blocks = hw.l1_blocks(bs)
+        l2 = hw.l2_blocks(bs)
         self.nodes = [
             Node(
                 i,
@@ -397,13 +400,13 @@ class Cluster:
     def fetched(self, l2_blocks: int, remote_blocks: int, seconds: float) -> None:
         if not self._has_observe_fetch:
             return
-        bb = self.config.block_bytes(self.block_size)
-        c = self.config
+        hw = self.hardware
+        bb = hw.block_bytes(self.block_size)
         observe = self.router.observe_fetch  # type: ignore[attr-defined]
         if l2_blocks > 0:
-            observe("l2", l2_blocks * bb, l2_blocks * bb / c.l2_bandwidth)
+            observe("l2", l2_blocks * bb, l2_blocks * bb / hw.l2_bandwidth)
         if remote_blocks > 0:
-            observe("pool", remote_blocks * bb, remote_blocks * bb / c.pool_bandwidth)
+            observe("pool", remote_blocks * bb, remote_blocks * bb / hw.pool_bandwidth)
 
     def prefilled(self, req: SimRequest) -> None:
         self.metrics.prefilled(req)
@@ -434,8 +437,8 @@ class Cluster:
                 self._dirty.add(req.prefill_node)
             return
         moved = max(req.prompt_tokens - req.h_d * self.block_size, 0)
-        c = self.config
-        seconds = c.transfer_latency + moved * c.kv_bytes_per_token / c.pd_bandwidth
+        hw = self.hardware
+        seconds = self.config.transfer_latency + moved * hw.kv_bytes_per_token / hw.pd_bandwidth
         self.at(self.now + seconds, self._arrived, req)
 
     def span_done(self, tokens: int) -> None:
