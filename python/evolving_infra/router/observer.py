@@ -4,8 +4,8 @@ The dispatcher tells its `DispatchObserver` (passed at construction) of each req
 (`arrival`: its prompt, and the cached prefix the placement counted on), each piece of text
 decoded (`tokens`), what the prefill really found cached (`prefilled`, reported by the decode
 side when it finishes), the router's own overhead (`dispatched`) and the time the decode-KV
-gate held the request (`admitted`). `Quiet` hears nothing (a base to override only some);
-`Observers` tells several; `PlannerFeed` feeds the planner's `Slices`.
+gate held the request (`admitted`). `DispatchObserver` itself hears nothing (a base to override
+only some); `Observers` tells several; `PlannerFeed` feeds the planner's `Slices`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from evolving_infra.planner.slices import Slices
 
 
 class DispatchObserver:
-    """Every event the dispatcher reports; each a no-op here (`Quiet` is this class)."""
+    """Every event the dispatcher reports; each a no-op here."""
 
     def arrival(
         self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
@@ -35,9 +35,6 @@ class DispatchObserver:
 
     def admitted(self, held_s: float) -> None:
         """How long the decode-KV gate held a request."""
-
-
-Quiet = DispatchObserver
 
 
 class Observers(DispatchObserver):

@@ -46,7 +46,7 @@ from evolving_infra.router.dispatcher import (
     TextPiece,
 )
 from evolving_infra.router.loads import EngineHandle
-from evolving_infra.router.observer import DispatchObserver, Quiet
+from evolving_infra.router.observer import DispatchObserver
 from evolving_infra.router.registry import EngineRegistry
 from evolving_infra.router.transport import PdTransport, UnreachableError, pd_bodies
 from evolving_infra.routing.base import Router, RouteRequest
@@ -99,7 +99,7 @@ class PdDispatcher:
         self.model = model
         self.page_size = page_size
         self.transport = transport
-        self.observer = observer if observer is not None else Quiet()
+        self.observer = observer if observer is not None else DispatchObserver()
         self.default_max_tokens = default_max_tokens
         self._rng = random.Random(seed)
         # Requests in flight per engine (their tasks), so that an engine found dead can have
