@@ -27,6 +27,7 @@ from evolving_infra.router.dispatcher import (
     Finished,
     GenerationEvent,
     PreparedRequest,
+    RequestLimits,
     TextPiece,
 )
 from evolving_infra.router.metrics import RouterMetrics
@@ -57,6 +58,8 @@ class EchoDispatcher:
     fail_after: int | None = None
     delay: float = 0.0
     ready: bool = True
+    degraded: str = ""
+    context_tokens: int | None = None  # `limits()`: None, no limit
     raise_bug: bool = False
     seen: list[PreparedRequest] = field(default_factory=list)
     open: int = 0  # generations started and not yet closed
@@ -64,7 +67,11 @@ class EchoDispatcher:
 
     def health(self) -> DispatcherHealth:
         reason = "" if self.ready else "no engine registered"
-        return DispatcherHealth(self.ready, reason, {"engines": 1 if self.ready else 0})
+        detail = {"engines": 1 if self.ready else 0}
+        return DispatcherHealth(self.ready, reason, detail, self.degraded)
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.context_tokens, self.default_tokens)
 
     def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         self.seen.append(request)

@@ -162,7 +162,7 @@ def test_phase_switch_during_load_loses_nothing_and_keeps_kv(
         ("/v1/chat/completions", b"{not json", {}, 400),
         ("/v1/chat/completions", b'{"model": "m", "messages": "hi"}', {}, 400),
         ("/v1/completions", b'{"model": "m"}', {}, 400),
-        ("/v1/branches/nobody/end", b"", {}, 404),
+        ("/v1/branches/%0A/end", b"", {}, 400),
         (
             "/v1/chat/completions",
             b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}',
@@ -181,6 +181,28 @@ def test_bad_input_gets_a_typed_error_and_the_router_keeps_serving(
     got, answer = _post(f"{cluster.router_url}{path}", body, headers)
     assert got == status
     assert answer["error"]["message"]
+    ok, _ = _chat(cluster.router_url, "still serving?")
+    assert ok == 200
+
+
+def test_requests_that_cannot_fit_are_the_clients_400s_not_502s(
+    cluster: cluster_command.Cluster,
+) -> None:
+    """The router knows the model's context and the engines' KV: a request no engine could
+    hold is `context_length_exceeded` before dispatch; what only the engine refuses (the
+    simulated engine's max_new_tokens of 65,536) is relayed as a 400, not a 502."""
+    limit = _get(f"{cluster.router_url}/health")["context_tokens"]
+    assert 70_000 < limit <= 131_072  # Llama-3-8B's context, or less by the engines' KV
+    status, answer = _chat(cluster.router_url, "hi " * 10, max_tokens=limit - 5)
+    assert status == 400, answer
+    assert answer["error"]["code"] == "context_length_exceeded"
+    assert answer["error"]["param"] == "messages"
+    status, answer = _chat(cluster.router_url, "hi", max_tokens=70_000)
+    assert status == 400, answer
+    assert answer["error"]["code"] == "engine_rejected"
+    assert "max_new_tokens" in answer["error"]["message"]
+    models = _get(f"{cluster.router_url}/v1/models")["data"]
+    assert [m["id"] for m in models] == ["llama-3-8b"]  # what cluster up runs
     ok, _ = _chat(cluster.router_url, "still serving?")
     assert ok == 200
 

@@ -1,6 +1,6 @@
 """The router's decode-KV gate (`router.admission`): first come, first served per decode engine;
 a request's prefill is sent only once its decode engine has room for it by the router's count;
-overload is a 503.
+overload is a 429, predicted at arrival or after the longest hold.
 
 The gate alone runs on engines whose space the test controls (`_Engines`, with the evolving
 policy's decode choice: the most free, the gate's commitments counted); the dispatcher runs its
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -21,7 +22,12 @@ import pytest
 from evolving_infra import KvDirectory, block_hashes
 from evolving_infra.router import api, config
 from evolving_infra.router.admission import DecodeGate
-from evolving_infra.router.dispatcher import Finished, NoEngineError, PreparedRequest, TextPiece
+from evolving_infra.router.dispatcher import (
+    Finished,
+    OverloadedError,
+    PreparedRequest,
+    TextPiece,
+)
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.observer import DispatchObserver
 from evolving_infra.router.pd import PdDispatcher
@@ -200,8 +206,12 @@ def test_with_no_decode_engine_up_the_waiting_requests_go_on_to_the_placement() 
 def test_waiting_too_long_is_overload_and_leaves_the_queue_to_the_next() -> None:
     async def run() -> None:
         c = _Clients(_Engines(e0=100), max_wait_s=0.05)
-        with pytest.raises(NoEngineError, match="no decode engine had room for 7 KV blocks"):
+        # Nothing freed yet: no prediction, so it is held, then refused (429), never admitted.
+        with pytest.raises(OverloadedError, match="no decode room for 7 KV blocks") as e:
             await c.gate.wait(7, c.engines.choose)
+        assert e.value.status == 429
+        assert e.value.retry_after_s == 1.0  # the bound (0.05 s), at least a second
+        assert (c.gate.shed_early, c.gate.shed_late) == (0, 1)
         assert c.gate.waiting == 0
         assert c.gate.extra() == {}
         c.gate.max_wait_s = 60.0
@@ -209,6 +219,43 @@ def test_waiting_too_long_is_overload_and_leaves_the_queue_to_the_next() -> None
         await _settle()
         c.free(0, 1)
         await late
+
+    asyncio.run(run())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_wait_predicted_over_the_bound_is_refused_at_once_with_retry_after() -> None:
+    async def run() -> None:
+        engines, clock = _Engines(e0=90), _Clock()
+        gate = DecodeGate(engines.space, max_wait_s=30.0, clock=clock)
+        assert gate.expected_wait(0, 10) == 0.0  # room now
+        assert gate.expected_wait(0, 20) is None  # no block freed yet: no rate
+        clock.now += 60.0
+        for _ in range(6):  # 60 blocks freed over the last minute: 1 block/s
+            gate.freed(0, 10)
+        assert gate.expected_wait(0, 20) == pytest.approx(10.0)  # 10 blocks short at 1/s
+        # 10 s predicted: held (and admitted once the room comes).
+        held = asyncio.create_task(gate.wait(20, engines.choose))
+        await _settle()
+        assert gate.waiting == 1
+        # Behind it: 20 + 25 - 10 free = 35 blocks, 35 s > 30 s: refused now, not held.
+        with pytest.raises(OverloadedError, match="predicted wait 35 s") as e:
+            await gate.wait(25, engines.choose)
+        assert e.value.retry_after_s == pytest.approx(35.0)
+        assert (gate.shed_early, gate.shed_late, gate.waiting) == (1, 0, 1)
+        engines.used[0] -= 10
+        gate.notify()
+        assert await held == 0
+        # Freed blocks age out of the window: a minute later there is no rate again.
+        clock.now += 61.0
+        assert gate.expected_wait(0, 50) is None
 
     asyncio.run(run())
 
@@ -438,3 +485,36 @@ def test_the_gate_is_on_unless_turned_off(flags: list[str], admission: bool) -> 
     config.add_arguments(parser)
     cfg = config.RouterConfig.from_args(parser.parse_args(["--engines", "127.0.0.1:1", *flags]))
     assert cfg.admission is admission
+
+
+def test_limits_are_the_context_length_bounded_by_the_largest_engine() -> None:
+    d = _dispatcher(True)
+    assert d.limits().context_tokens == CAPACITY * PAGE  # no context length known: the KV
+    d.context_length = 300
+    assert d.limits().context_tokens == 300
+    d.context_length = 10**6
+    assert d.limits().context_tokens == CAPACITY * PAGE
+    # A request that names no max_tokens gets the default, cut to the room its prompt leaves.
+    d.context_length = 300
+    no_max = dataclasses.replace(_request("r", 250), sampling=api.SamplingParams())
+    assert d._max_out(no_max) == 50
+    assert d._max_out(_request("r", 250)) == PAGE  # its own max_tokens
+
+
+def test_every_finished_request_feeds_the_gates_drain_rate() -> None:
+    d = _dispatcher(True)
+
+    async def decode(engine: Any, body: bytes) -> AsyncIterator[Any]:
+        yield Finished("stop", 1, 0)
+
+    d.transport = Legs(None, decode)
+
+    async def run() -> None:
+        for name in ("a", "b"):
+            async for _ in d.generate(_request(name, 3 * PAGE)):
+                pass
+
+    asyncio.run(run())
+    assert d.gate is not None
+    # Each held 3 prompt blocks and max_tokens (one page): 4 blocks freed, twice.
+    assert sum(b for _, b in d.gate._freed[1]) == 8

@@ -72,13 +72,26 @@ def test_data_key_guards_the_api_and_not_health() -> None:
         assert ok.status == 200
         assert (await ok.json())["choices"][0]["message"]["content"]
         assert (await r.client.get("/v1/models", headers={"X-API-Key": DATA})).status == 200
-        # Open without a key: health (load balancers) and, with no admin key, metrics.
+        # Open without a key: health (load balancers). With no admin key, metrics take the
+        # data key: a key set means the router is not meant to be open.
         assert (await r.client.get("/health")).status == 200
-        metrics = await r.client.get("/metrics")
+        await refused(r, "GET", "/metrics")
+        metrics = await r.client.get("/metrics", headers=bearer(DATA))
         assert metrics.status == 200
-        assert errors_401(await metrics.text()) == 4
+        assert errors_401(await metrics.text()) == 5
 
     run_router(check, api_keys=ApiKeys(data=DATA))
+
+
+def test_metrics_public_leaves_metrics_open_but_not_the_api() -> None:
+    async def check(r: Router) -> None:
+        assert (await r.client.get("/metrics")).status == 200
+        await refused(r, "GET", "/v1/models")
+
+    run_router(check, api_keys=ApiKeys(data=DATA, metrics_public=True))
+    # An admin key guards /metrics whatever --metrics-public says.
+    keys = ApiKeys(data=DATA, admin=ADMIN, metrics_public=True)
+    assert keys.required("/metrics") == (ADMIN, "admin endpoints")
 
 
 def test_admin_key_guards_metrics_and_the_two_keys_are_separate() -> None:

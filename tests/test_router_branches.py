@@ -203,12 +203,14 @@ def test_end_by_event_and_by_post() -> None:
         assert counts(d, BASE) == [1] * 5
         resp = await r.client.post("/v1/branches/b/end")
         assert resp.status == 200
-        assert await resp.json() == {"branch": "b", "ended": True}
+        assert await resp.json() == {"branch": "b", "ended": True, "was_live": True}
         assert counts(d, LONGER) == [0] * len(hashes(LONGER))
+        # Idempotent: ending again (a harness's retry), or a branch never seen, changes nothing.
         for branch in ("b", "never", "a%20b"):
             resp = await r.client.post(f"/v1/branches/{branch}/end")
-            assert resp.status == 404
-            assert (await resp.json())["error"]["code"] == api.UNKNOWN_BRANCH
+            assert resp.status == 200
+            body = await resp.json()
+            assert body == {"branch": branch.replace("%20", " "), "ended": True, "was_live": False}
         resp = await r.client.post("/v1/branches/%0A/end")
         assert resp.status == 400
         assert r.tracker.live == 0
@@ -330,7 +332,8 @@ def test_idle_branches_expire_after_the_ttl() -> None:
     assert events == ["expired", "expired"]
     # A finish after the branch is gone (ended or expired meanwhile) is harmless.
     c = t.begin(BranchInfo("c"), hashes(BASE))
-    t.end("c")
+    assert t.end("c")
+    assert not t.end("c")  # idempotent
     t.finish(c)
     t.finish(c)
     assert t.live == 0

@@ -24,17 +24,33 @@ requests count in its load); docs/scenarios.md says what it changes.
 The gate never waits when waiting cannot help: with no decode engine up (the placement then says
 so), or for a request larger than every decode engine (the engine answers for it). A decode
 engine that goes down or changes phase hands its queue to the others, in arrival order.
+
+Overload is shed at once, not after a long hold: from the blocks each decode engine freed over
+the last minute (`freed`, told by the dispatcher as requests end) the gate predicts how long a
+new request would wait for its room (the blocks queued ahead of it and its own, less the room
+free, at that rate), and when that is over `max_wait_s` it refuses the request with
+`OverloadedError` (429, with the predicted wait as Retry-After) before any engine saw it. A
+request held longer than `max_wait_s` anyway (the prediction was short, or there was none: no
+block freed lately) is refused the same way, still before dispatch. Nothing the gate admits
+fails for want of room: the client learns early, and a retry later finds the room.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from evolving_infra.router.dispatcher import NoEngineError
+from evolving_infra.router.dispatcher import OverloadedError
+
+# The drain rate is read over this long: long enough to span a few agent generations (a 4k-token
+# answer takes about a minute on a loaded decode engine), short enough to follow the load.
+RATE_WINDOW_S = 60.0
+# Retry-After is at most this: past it the prediction says little, and a client should look again.
+MAX_RETRY_AFTER_S = 300.0
 
 # `space()`: the up decode engines, node -> (KV capacity, blocks used by the router's count).
 Space = Callable[[], Mapping[int, tuple[int, int]]]
@@ -56,9 +72,19 @@ class _Waiter:
 class DecodeGate:
     """Admission on decode KV, first come first served per decode engine (module docstring)."""
 
-    def __init__(self, space: Space, *, max_wait_s: float) -> None:
+    def __init__(
+        self, space: Space, *, max_wait_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """`max_wait_s`: the longest a request may wait for decode room, predicted or held,
+        before it is refused (429)."""
         self._space = space
         self.max_wait_s = max_wait_s
+        self._clock = clock
+        self._start = clock()
+        # Blocks freed per decode engine, (time, blocks), over the last RATE_WINDOW_S.
+        self._freed: dict[int, deque[tuple[float, int]]] = {}
+        self.shed_early = 0  # refused on the prediction, at arrival
+        self.shed_late = 0  # refused after a hold of max_wait_s
         self._queues: dict[int, deque[_Waiter]] = {}
         self._queued: dict[int, int] = {}  # blocks waiting per engine
         # Blocks of admitted requests that have not resumed yet to take their room: counted as
@@ -81,12 +107,58 @@ class DecodeGate:
                 out[e] = out.get(e, 0) + b
         return out
 
+    def freed(self, engine: int, blocks: int) -> None:
+        """A request that held `blocks` on decode engine `engine` ended (the drain rate)."""
+        now = self._clock()
+        q = self._freed.setdefault(engine, deque())
+        q.append((now, blocks))
+        self._prune(q, now)
+
+    def _prune(self, q: deque[tuple[float, int]], now: float) -> None:
+        while q and q[0][0] < now - RATE_WINDOW_S:
+            q.popleft()
+
+    def expected_wait(
+        self, engine: int, blocks: int, space: Mapping[int, tuple[int, int]] | None = None
+    ) -> float | None:
+        """Seconds until a request of `blocks` arriving now would have its room on `engine`:
+        the blocks queued there before it and its own, less the room free, at the rate the
+        engine freed blocks over the last minute. 0: room now; None: nothing freed lately, no
+        rate to go by."""
+        space = self._space() if space is None else space
+        need = self._queued.get(engine, 0) + blocks - self._free(engine, space)
+        if need <= 0:
+            return 0.0
+        now = self._clock()
+        q = self._freed.get(engine)
+        if q is not None:
+            self._prune(q, now)
+        if not q:
+            return None
+        span = min(RATE_WINDOW_S, max(now - self._start, 1.0))
+        return need / (sum(b for _, b in q) / span)
+
+    def _overloaded(
+        self, blocks: int, engine: int, wait: float | None, held: bool
+    ) -> OverloadedError:
+        after = min(max(wait if wait is not None else self.max_wait_s, 1.0), MAX_RETRY_AFTER_S)
+        if held:
+            self.shed_late += 1
+            why = f"held {self.max_wait_s:g} s"
+        else:
+            self.shed_early += 1
+            why = f"predicted wait {wait:.0f} s, over the bound of {self.max_wait_s:g} s"
+        return OverloadedError(
+            f"no decode room for {blocks} KV blocks on engine {engine} ({why})",
+            retry_after_s=after,
+        )
+
     async def wait(self, blocks: int, choose: Choose) -> int | None:
         """Waits until the request's decode engine has room for `blocks` and the requests that
         came before it there have gone; returns that engine, whose room the caller must take
         before its next `await`. None: the gate does not apply (no decode engine up, or none
-        could ever hold `blocks`), the placement decides. Raises `NoEngineError` after
-        `max_wait_s` (the request is overload, 503)."""
+        could ever hold `blocks`), the placement decides. Raises `OverloadedError` (429) at
+        once when the predicted wait is over `max_wait_s`, or after holding it that long."""
         space = self._space()
         if not space or blocks > max(cap for cap, _ in space.values()):
             return None
@@ -95,6 +167,9 @@ class DecodeGate:
             return None
         if not self._queues.get(engine) and self._free(engine, space) >= blocks:
             return engine
+        predicted = self.expected_wait(engine, blocks, space)
+        if predicted is not None and predicted > self.max_wait_s:
+            raise self._overloaded(blocks, engine, predicted, held=False)
         loop = asyncio.get_running_loop()
         w = _Waiter(next(self._seq), blocks, choose, engine, loop.create_future())
         self._enqueue(w)
@@ -102,9 +177,8 @@ class DecodeGate:
             async with asyncio.timeout(self.max_wait_s):
                 return await w.future
         except TimeoutError:
-            raise NoEngineError(
-                f"no decode engine had room for {blocks} KV blocks within {self.max_wait_s:g} s"
-            ) from None
+            wait = self.expected_wait(w.engine, 0)
+            raise self._overloaded(blocks, w.engine, wait, held=True) from None
         finally:
             if w.future.done() and not w.future.cancelled():
                 admitted = w.future.result()

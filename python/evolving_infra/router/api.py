@@ -36,6 +36,11 @@ NOT_FOUND = "not_found"
 METHOD_NOT_ALLOWED = "method_not_allowed"
 TOO_LARGE = "request_too_large"
 NO_ENGINE = "no_engine"
+OVERLOADED = "overloaded"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code, which harnesses act on
+HEADERS_TOO_LARGE = "headers_too_large"
+BAD_HTTP = "bad_http"
+ENGINE_REJECTED = "engine_rejected"
 ENGINE_FAILED = "engine_failed"
 INTERNAL = "internal_error"
 
@@ -45,6 +50,9 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "internal_error",
     502: "engine_error",
     503: "service_unavailable",
@@ -66,6 +74,7 @@ class ApiError(Exception):
         code: str,
         param: str | None = None,
         error_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -73,6 +82,7 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.type = error_type or _TYPES.get(status, "invalid_request_error")
+        self.headers = dict(headers or {})  # sent with the error (e.g. Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {

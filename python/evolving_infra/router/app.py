@@ -11,7 +11,7 @@ Every error, from a handler or from aiohttp itself (unknown route, method, body 
 answered as OpenAI error JSON by one middleware, which also counts and logs each request. An
 unexpected exception is a logged 500: the server never dies on a request.
 
-Client disconnects: run the app with `handler_cancellation=True` (as `serve` does) and the
+Client disconnects: run the app with `handler_cancellation=True` (as `server.serve` does) and the
 handler is cancelled as soon as the client goes, which stops the dispatch at once; without it, the
 next write fails and the stream stops there.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -47,12 +48,15 @@ from evolving_infra.router.dispatcher import (
     Dispatcher,
     DispatchError,
     EngineFailedError,
+    EngineRejectedError,
     Finished,
     GenerationEvent,
     NoEngineError,
+    OverloadedError,
     PreparedRequest,
 )
 from evolving_infra.router.metrics import CONTENT_TYPE, RouterMetrics
+from evolving_infra.router.server import ON_BAD_HTTP
 from evolving_infra.router.tokenize import (
     Tokenizer,
     encode_chat,
@@ -125,6 +129,12 @@ def _too_large(request: web.Request) -> ApiError:
 def _dispatch_error(e: DispatchError) -> ApiError:
     if isinstance(e, NoEngineError):
         return ApiError(503, f"no engine available: {e.reason}", code=api.NO_ENGINE)
+    if isinstance(e, OverloadedError):
+        # Whole seconds, at least one: what OpenAI's SDK and most HTTP clients read.
+        retry = {"Retry-After": str(max(math.ceil(e.retry_after_s), 1))}
+        return ApiError(429, f"overloaded: {e.reason}", code=api.OVERLOADED, headers=retry)
+    if isinstance(e, EngineRejectedError):
+        return ApiError(400, e.reason, code=api.ENGINE_REJECTED)
     return ApiError(e.status, f"engine failed: {e.reason}", code=api.ENGINE_FAILED)
 
 
@@ -153,6 +163,7 @@ class FrontEnd:
         *,
         page_size: int,
         models: Sequence[str],
+        listed: Sequence[str] = (),
         keys: ApiKeys | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -163,6 +174,7 @@ class FrontEnd:
         self.metrics = metrics
         self.page_size = page_size
         self.models = tuple(models)
+        self.listed = tuple(listed) or self.models
         self.clock = clock
         self.started = int(time.time())
         tracker.on_event = lambda event: metrics.branch_events.labels(event).inc()
@@ -222,24 +234,37 @@ class FrontEnd:
                 response.headers.setdefault("X-Request-Id", rid)
             return response
 
+    def bad_http(self, e: ApiError) -> None:
+        """A request aiohttp could not parse (`server.py` answered it): counted and logged as
+        every failed request is."""
+        self.metrics.requests.labels(_ROUTE_OTHER, str(e.status)).inc()
+        self.metrics.errors.labels(e.type, e.code).inc()
+        log.warning("request failed", status=e.status, code=e.code, error=e.message)
+
     def _fail(
         self, request: web.Request, e: ApiError, headers: dict[str, str] | None = None
     ) -> web.Response:
         self.metrics.errors.labels(e.type, e.code).inc()
+        # A server fault is an error; a client's mistake or a shed request is the client's to act
+        # on, a warning here.
         level = log.error if e.status >= 500 else log.warning
         level("request failed", status=e.status, code=e.code, error=e.message, param=e.param)
-        return _error_response(e, headers)
+        return _error_response(e, {**e.headers, **(headers or {})})
 
     # -- plain routes ------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
         h = self.dispatcher.health()
+        # Degraded is still a 200: the router serves, and a load balancer should keep sending.
+        status = "unavailable" if not h.ready else "degraded" if h.degraded else "ok"
         body = {
-            "status": "ok" if h.ready else "unavailable",
-            "reason": h.reason or None,
+            "status": status,
+            "reason": (h.reason or h.degraded) or None,
             "tokenizer": self.tokenizer.name,
             "page_size": self.page_size,
             "branches": {"named": self.tracker.live, "anonymous": self.tracker.anonymous_live},
+            # Prompt and completion tokens one request may have (None: no limit known).
+            "context_tokens": self.dispatcher.limits().context_tokens,
             "dispatcher": dict(h.detail),
         }
         return _json(body, status=200 if h.ready else 503)
@@ -248,13 +273,13 @@ class FrontEnd:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return _json(api.models_response(self.models, self.started))
+        return _json(api.models_response(self.listed, self.started))
 
     async def end_branch(self, request: web.Request) -> web.Response:
         branch = _check_branch_id(request.match_info["branch"], "branch")
-        self.tracker.end(branch)
-        log.info("branch ended", branch=branch)
-        return _json({"branch": branch, "ended": True})
+        was_live = self.tracker.end(branch)
+        log.info("branch ended", branch=branch, was_live=was_live)
+        return _json({"branch": branch, "ended": True, "was_live": was_live})
 
     # -- completions ---------------------------------------------------------------------------
 
@@ -303,8 +328,10 @@ class FrontEnd:
             )
         info = parse_branch_info(request.headers, req.agent)
         ids, hashes = await asyncio.to_thread(self._encode, req)
+        field = "messages" if kind == "chat" else "prompt"
         if not ids:
-            raise api.invalid("the prompt is empty", "messages" if kind == "chat" else "prompt")
+            raise api.invalid("the prompt is empty", field)
+        self._check_fits(len(ids), req.sampling.max_tokens, field)
         include_usage = req.include_usage
         lease = self.tracker.begin(info, hashes)
         try:
@@ -342,6 +369,28 @@ class FrontEnd:
                 await _close(events)
         finally:
             self._finish(lease)
+
+    def _check_fits(self, prompt: int, max_tokens: int | None, field: str) -> None:
+        """OpenAI's 400s for a request that no engine could ever hold, before anything is
+        dispatched: a harness compacts its context on `context_length_exceeded`."""
+        limit = self.dispatcher.limits().context_tokens
+        if limit is None:
+            return
+        if max_tokens is not None and max_tokens >= limit:
+            raise api.invalid(
+                f"max_tokens is too large: {max_tokens}. This model's context holds at most"
+                f" {limit} tokens, prompt and completion together.",
+                "max_tokens",
+            )
+        out = max_tokens or 1  # with no max_tokens, the completion takes the room that is left
+        if prompt + out > limit:
+            raise api.invalid(
+                f"This model's maximum context length is {limit} tokens. However, you requested"
+                f" {prompt + out} tokens ({prompt} in the {field}, {out} in the completion)."
+                f" Please reduce the length of the {field} or completion.",
+                field,
+                code=api.CONTEXT_LENGTH_EXCEEDED,
+            )
 
     def _finish(self, lease: BranchLease) -> None:
         if lease.info is not None and lease.end_after:
@@ -493,20 +542,31 @@ def build_app(
     *,
     page_size: int,
     models: Sequence[str] = (),
+    listed_models: Sequence[str] = (),
     max_body_bytes: int = 32 * 2**20,
     expire_interval: float | None = None,
     api_keys: ApiKeys | None = None,
 ) -> web.Application:
     """The router's aiohttp application (not started: see `serve`, or aiohttp's test utils).
 
-    `expire_interval`: seconds between branch-expiry passes (default: a quarter of the TTL, at
-    most a minute).
+    `models`: the names served (a request for another is a 404; empty: any name is taken, as
+    SGLang does); `listed_models`: what `/v1/models` lists when `models` is empty (the names the
+    engines report). `expire_interval`: seconds between branch-expiry passes (default: a
+    quarter of the TTL, at most a minute).
     """
     front = FrontEnd(
-        dispatcher, tracker, tokenizer, metrics, page_size=page_size, models=models, keys=api_keys
+        dispatcher,
+        tracker,
+        tokenizer,
+        metrics,
+        page_size=page_size,
+        models=models,
+        listed=listed_models,
+        keys=api_keys,
     )
     app = web.Application(middlewares=[front.middleware], client_max_size=max_body_bytes)
     app[_CLIENT_MAX] = max_body_bytes
+    app[ON_BAD_HTTP] = front.bad_http
     app.router.add_post("/v1/chat/completions", front.chat)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_get("/v1/models", front.list_models)
@@ -524,19 +584,3 @@ def build_app(
 
     app.cleanup_ctx.append(expiry)
     return app
-
-
-async def serve(
-    app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0
-) -> web.AppRunner:
-    """Start `app` on host:port; the caller awaits forever, then `runner.cleanup()`, which
-    gives requests in flight `shutdown_timeout` seconds before cutting them."""
-    # handler_cancellation: a client that goes away cancels its handler, so dispatch stops at
-    # once instead of at the next write. access_log=None: the middleware logs each request.
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
-    )
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("router listening", host=host, port=port)
-    return runner

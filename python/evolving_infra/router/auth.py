@@ -4,8 +4,10 @@
   OpenAI's clients do, `Authorization: Bearer KEY` (or `X-API-Key: KEY`, for harnesses that set
   no bearer token).
 - The **admin key** guards what operators use and agents never need: `/metrics` (which names
-  engines, branches and load). Without an admin key, `/metrics` is open, as Prometheus scrapers
-  expect on a private network.
+  engines, branches and load). Without an admin key, `/metrics` takes the data key when there
+  is one (a key means the operator did not want the router open: `/metrics` must not be the
+  one door left open), unless `metrics_public` (`--metrics-public`) says scrapers come without
+  one; with no key at all it is open, as Prometheus scrapers expect on a private network.
 - `/health` is always open: load balancers probe it without credentials, and it tells nothing an
   attacker can use (ready or not, engine counts).
 
@@ -38,6 +40,7 @@ class ApiKeys:
 
     data: str | None = None
     admin: str | None = None
+    metrics_public: bool = False  # /metrics open although a data key is set (no admin key)
 
     @property
     def enabled(self) -> bool:
@@ -47,8 +50,11 @@ class ApiKeys:
         """(key, what it guards) for a request path, or None when the path is open."""
         if path.startswith(_DATA_PREFIX) and self.data is not None:
             return self.data, "the API"
-        if path in _ADMIN_PATHS and self.admin is not None:
-            return self.admin, "admin endpoints"
+        if path in _ADMIN_PATHS:
+            if self.admin is not None:
+                return self.admin, "admin endpoints"
+            if self.data is not None and not self.metrics_public:
+                return self.data, "admin endpoints (no admin key: the API key)"
         return None
 
     def check(self, request: web.Request) -> None:

@@ -285,13 +285,15 @@ class BranchTracker:
         keeps the chain up to a hinted block ahead of blocks no live branch needs)."""
         return {b: s.tail for b, s in self._named.items() if s.tail is not None}
 
-    def end(self, branch: str) -> None:
-        """`POST /v1/branches/{id}/end`: end a named branch now (`UnknownBranchError` if it is
-        not live)."""
+    def end(self, branch: str) -> bool:
+        """`POST /v1/branches/{id}/end`: end a named branch now. Idempotent, as a harness that
+        retries the call (or ends a branch the TTL already ended) expects: False when the
+        branch was not live, which changes nothing."""
         if branch not in self._named:
-            raise UnknownBranchError(f"unknown branch {branch!r}")
+            return False
         self._count(BranchEvent.END.value)
         self._end(branch)
+        return True
 
     def _end(self, branch: str) -> None:
         del self._named[branch]

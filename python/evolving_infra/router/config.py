@@ -34,6 +34,9 @@ DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_BODY_MIB = 32  # an agent's whole context in JSON: 200k tokens are ~1 MiB of text
 DEFAULT_BRANCH_TTL = 3600.0
 DEFAULT_PLANNER_INTERVAL = 60.0
+# The longest a request waits for decode room before a 429: a minute is what an agent harness
+# waits on a slow turn without giving up; longer, and a client learns of overload too late.
+DEFAULT_MAX_QUEUE_WAIT = 60.0
 # A stopping router lets requests in flight finish this long: a restart should not wait out
 # minutes-long generations (their clients see an error and retry).
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # DESIGN §3: decisions every minute over a 10-minute window
@@ -86,6 +89,8 @@ class RouterConfig:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     control_api_key: str | None = None  # sent to the engines' EngineControl services
+    max_queue_wait: float = DEFAULT_MAX_QUEUE_WAIT
+    context_length: int | None = None  # None: the model's, when the router knows the model
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -109,10 +114,13 @@ class RouterConfig:
             admission=not args.no_admission,
             planner_interval=args.planner_interval,
             shutdown_timeout=args.shutdown_timeout,
+            max_queue_wait=args.max_queue_wait,
+            context_length=args.context_length,
             control_api_key=secret(args.control_api_key, CONTROL_API_KEY_ENV),
             api_keys=ApiKeys(
                 data=secret(args.api_key, API_KEY_ENV),
                 admin=secret(args.admin_api_key, ADMIN_API_KEY_ENV),
+                metrics_public=args.metrics_public,
             ),
         )
 
@@ -129,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="ENGINE",
         help="engines to dispatch to, each as the HOST:PORT of its EngineControl gRPC service"
-        " (`evolving-infra engine --control-port`); node ids, phases, data URLs and KV event"
+        " (`evolving-infra engine --grpc-port`); node ids, phases, data URLs and KV event"
         " endpoints come from the engines themselves; required, here or in --config",
     )
     parser.add_argument(
@@ -151,7 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-api-key",
         metavar="KEY",
         help="a separate key for operators' endpoints (/metrics); also from"
-        f" {ADMIN_API_KEY_ENV} (default: open). /health is always open, for load balancers",
+        f" {ADMIN_API_KEY_ENV} (default: the --api-key when one is set, else open). /health is"
+        " always open, for load balancers",
+    )
+    parser.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="leave /metrics open although --api-key is set (scrapers without credentials on a"
+        " private network); an --admin-api-key still guards it",
     )
     parser.add_argument(
         "--model",
@@ -201,6 +216,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dispatch each request at once, as SGLang's gateway does, instead of holding it"
         " until a decode engine has room for its KV by the router's count (its prompt and"
         " max_tokens); the prefill engine then holds it while the decode engine is full",
+    )
+    parser.add_argument(
+        "--max-queue-wait",
+        type=positive_seconds,
+        default=DEFAULT_MAX_QUEUE_WAIT,
+        metavar="S",
+        help="the longest a request may wait for decode room: when the predicted wait (from how"
+        " fast the decode engines free KV) is longer, or it has waited this long, it is refused"
+        " at once with 429 and a Retry-After, before any engine saw it"
+        f" (default: {DEFAULT_MAX_QUEUE_WAIT:g})",
+    )
+    parser.add_argument(
+        "--context-length",
+        type=positive_int,
+        metavar="TOKENS",
+        help="the most prompt and completion tokens one request may have; longer is a 400"
+        " context_length_exceeded before dispatch (default: the served model's, when the"
+        " engines name a model the router knows; the largest engine's KV bounds it too)",
     )
     parser.add_argument(
         "--control-api-key",

@@ -36,7 +36,7 @@ from evolving_infra._core import KvDirectory
 from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
 from evolving_infra.control.errors import EngineTimeoutError, EngineUnavailableError
 from evolving_infra.errors import CommandError
-from evolving_infra.router.app import build_app, serve
+from evolving_infra.router.app import build_app
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
 from evolving_infra.router.ingest import EventIngestor, SampleIngestor
@@ -46,6 +46,7 @@ from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.server import serve
 from evolving_infra.router.tokenize import load_tokenizer
 from evolving_infra.router.transport import HttpTransport
 from evolving_infra.routing.evolving import EvolvingRouter
@@ -205,7 +206,8 @@ class RouterDaemon:
             [e.address for e in cfg.engines], cfg.page_size, cfg.control_api_key
         )
         self.engines = {e.info.node_id: e for e in found}
-        spec = MODELS.get(found[0].info.model, LLAMA3_70B)
+        known = MODELS.get(found[0].info.model)
+        spec = known or LLAMA3_70B
         loop = asyncio.get_running_loop()
 
         thinning = SampleThinning(MAX_SAMPLES_PER_S)
@@ -244,6 +246,8 @@ class RouterDaemon:
             transport=HttpTransport(self._session),
             observer=Observers(PlannerFeed(self.planner.slices), self.metrics.feed()),
             admission=cfg.admission,
+            context_length=cfg.context_length or (known.context_length if known else None),
+            max_queue_wait_s=cfg.max_queue_wait,
         )
         self.metrics.watch_engines(self.engine_views)
         gate = self.dispatcher.gate
@@ -256,6 +260,7 @@ class RouterDaemon:
             self.metrics,
             page_size=cfg.page_size,
             models=cfg.models,
+            listed_models=sorted({e.info.model for e in found if e.info.model}),
             max_body_bytes=cfg.max_body_bytes,
             api_keys=cfg.api_keys,
         )

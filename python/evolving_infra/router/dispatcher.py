@@ -7,9 +7,14 @@ front end:
 
 - `PreparedRequest`: everything dispatch needs, already validated;
 - `generate(request)` returns an async iterator of `TextPiece`s then exactly one `Finished`;
+- `limits()`: what one request may ask for (`RequestLimits`), so that the front end refuses a
+  request that could never fit with OpenAI's `400 context_length_exceeded` before dispatch;
 - failures are `DispatchError`s: `NoEngineError` (503: nothing can take the request, with the
-  reason) and `EngineFailedError` (502, or 503 when the engine is unreachable). Raised before the
-  first event, they become an HTTP error response; after it, an SSE error event.
+  reason), `OverloadedError` (429 with a `Retry-After`: shed before dispatch, nothing ran),
+  `EngineRejectedError` (400: an engine refused the request itself, its 4xx relayed as the
+  client's mistake it is) and `EngineFailedError` (502, or 503 when the engine is unreachable).
+  Raised before the first event, they become an HTTP error response; after it, an SSE error
+  event.
 
 The front end stops iterating (and calls `aclose()` when the iterator has one) when the client
 goes away; a dispatcher releases engine work in its generator's `finally`.
@@ -74,6 +79,18 @@ class DispatcherHealth:
     ready: bool
     reason: str = ""  # why not ready
     detail: Mapping[str, Any] = field(default_factory=dict)  # e.g. per-engine state, for /health
+    # Ready, but not whole: why (e.g. engines down); "" when every engine is up.
+    degraded: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask for, known before dispatch."""
+
+    # Prompt and output tokens together, at most: the model's context length or the KV of the
+    # largest engine, whichever is smaller. None: no limit known (the engines answer for it).
+    context_tokens: int | None
+    default_max_tokens: int  # the output budget of a request that names no max_tokens
 
 
 class DispatchError(Exception):
@@ -92,6 +109,27 @@ class NoEngineError(DispatchError):
     status = 503
 
 
+class OverloadedError(DispatchError):
+    """The cluster cannot take the request soon enough: shed at once, before any engine saw it,
+    so that the client backs off and retries instead of waiting to fail (429)."""
+
+    status = 429
+
+    def __init__(self, reason: str, *, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+class EngineRejectedError(DispatchError):
+    """An engine refused the request itself (its HTTP 4xx): the client's mistake, a 400."""
+
+    status = 400
+
+    def __init__(self, reason: str, *, node: int | None = None) -> None:
+        super().__init__(reason)
+        self.node = node
+
+
 class EngineFailedError(DispatchError):
     """The chosen engine failed: an error answer or a broken stream (502), or unreachable (503)."""
 
@@ -107,3 +145,6 @@ class Dispatcher(Protocol):
 
     def health(self) -> DispatcherHealth:
         """Whether requests can be served now (for `/health`); must be cheap, never block."""
+
+    def limits(self) -> RequestLimits:
+        """What one request may ask for now; must be cheap, never block."""

@@ -43,6 +43,7 @@ from evolving_infra.router.dispatcher import (
     GenerationEvent,
     NoEngineError,
     PreparedRequest,
+    RequestLimits,
     TextPiece,
 )
 from evolving_infra.router.loads import EngineHandle
@@ -86,13 +87,17 @@ class PdDispatcher:
         transport: PdTransport,
         observer: DispatchObserver | None = None,
         default_max_tokens: int = 256,
-        request_timeout_s: float = 600.0,
+        context_length: int | None = None,
+        max_queue_wait_s: float = 60.0,
         seed: int | None = None,
         admission: bool = True,
     ) -> None:
         """`registry`: the engines and their loads; `transport`: how requests reach them
         (`transport.HttpTransport` for SGLang's HTTP API); `observer`: who hears of each
-        request (the planner's window, the metrics; `observer.Observers` for several)."""
+        request (the planner's window, the metrics; `observer.Observers` for several);
+        `context_length`: the model's (None: only the engines' KV bounds a request);
+        `max_queue_wait_s`: the longest a request may wait for decode room, predicted or held,
+        before it is refused with a 429 (`admission.DecodeGate`)."""
         self.registry = registry
         self.directory = directory
         self.router = router
@@ -101,6 +106,7 @@ class PdDispatcher:
         self.transport = transport
         self.observer = observer if observer is not None else DispatchObserver()
         self.default_max_tokens = default_max_tokens
+        self.context_length = context_length
         self._rng = random.Random(seed)
         # Requests in flight per engine (their tasks), so that an engine found dead can have
         # its requests pulled back at once instead of at their timeouts.
@@ -109,7 +115,7 @@ class PdDispatcher:
         # Requests wait here until a decode engine has room for their KV (`router.admission`);
         # it re-checks them whenever the registry changes.
         self.gate = (
-            DecodeGate(registry.decode_space, max_wait_s=request_timeout_s) if admission else None
+            DecodeGate(registry.decode_space, max_wait_s=max_queue_wait_s) if admission else None
         )
         if self.gate is not None:
             registry.listen(self.gate.notify)
@@ -130,8 +136,26 @@ class PdDispatcher:
     def health(self) -> DispatcherHealth:
         return self.registry.health()
 
+    def limits(self) -> RequestLimits:
+        """The model's context length, bounded by the KV of the largest engine known (in any
+        state or phase: a request that fits one may wait for it; every engine can become a
+        decode engine)."""
+        caps = [e.kv_capacity_blocks * self.page_size for e in self.registry.engines.values()]
+        bounds = [b for b in (self.context_length, max(caps, default=None)) if b is not None]
+        return RequestLimits(min(bounds, default=None), self.default_max_tokens)
+
+    def _max_out(self, req: PreparedRequest) -> int:
+        """The request's output budget: its max_tokens, else the default, cut to the room its
+        prompt leaves (the front end refused requests that do not fit: `limits`)."""
+        if req.sampling.max_tokens:
+            return req.sampling.max_tokens
+        room = self.limits().context_tokens
+        if room is None:
+            return self.default_max_tokens
+        return max(min(self.default_max_tokens, room - len(req.token_ids)), 1)
+
     def _route(self, req: PreparedRequest) -> RouteRequest:
-        max_out = req.sampling.max_tokens or self.default_max_tokens
+        max_out = self._max_out(req)
         return RouteRequest(
             hashes=req.block_hashes,  # the tuple as is: the directory reads any sequence
             prompt_tokens=len(req.token_ids),
@@ -186,8 +210,7 @@ class PdDispatcher:
     def _decode_blocks(self, req: PreparedRequest) -> int:
         """KV blocks the router counts for `req` on its decode node: prompt and `max_tokens`
         (the gate asks for the same room the placement then takes)."""
-        max_out = req.sampling.max_tokens or self.default_max_tokens
-        return blocks_for(len(req.token_ids) + max_out, self.page_size)
+        return blocks_for(len(req.token_ids) + self._max_out(req), self.page_size)
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         held_s = 0.0
@@ -239,9 +262,7 @@ class PdDispatcher:
         self, req: PreparedRequest, place: _Placement, attempt: int, held_s: float = 0.0
     ) -> AsyncIterator[GenerationEvent]:
         room = self._rng.randint(0, ROOM_MAX)
-        prefill_body, decode_body = pd_bodies(
-            req, place.prefill, room, attempt, self.default_max_tokens
-        )
+        prefill_body, decode_body = pd_bodies(req, place.prefill, room, attempt, self._max_out(req))
         p, d = place.prefill, place.decode
         me = asyncio.current_task()
         assert me is not None
@@ -313,6 +334,8 @@ class PdDispatcher:
             await stream.aclose()
             prefill_done()
             loads.done_decode(d.node, place.decode_blocks, t, prompt)
+            if self.gate is not None:
+                self.gate.freed(d.node, place.decode_blocks)
             self.registry.changed()  # decode room freed: the gate re-checks
             for node in {p.node, d.node}:
                 self._inflight[node].discard(me)

@@ -70,7 +70,8 @@ class EngineRegistry:
         }
 
     def health(self) -> DispatcherHealth:
-        """Ready when at least one engine of each phase is up; each engine's state."""
+        """Ready when at least one engine of each phase is up; degraded while any engine is
+        down (a draining one is switching phase, which is normal); each engine's state."""
         phases = {e.phase for e in self.up()}
         detail = {
             str(e.node): {"phase": e.phase, "state": e.state, "reason": e.reason}
@@ -79,7 +80,9 @@ class EngineRegistry:
         missing = [p for p in ("prefill", "decode") if p not in phases]
         if missing:
             return DispatcherHealth(False, f"no {' or '.join(missing)} engine up", detail)
-        return DispatcherHealth(True, "", detail)
+        down = sorted(e.node for e in self.engines.values() if e.state == "down")
+        degraded = f"{len(down)} of {len(self.engines)} engines down: {down}" if down else ""
+        return DispatcherHealth(True, "", detail, degraded)
 
     def states(self) -> str:
         """`node=phase/state, ...` by node (for error messages)."""

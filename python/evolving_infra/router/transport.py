@@ -7,7 +7,8 @@ the prefill engine and streams the tokens, the prefill engine's answer only ends
 `PdTransport` is the seam the dispatcher sends through: `HttpTransport` speaks SGLang's HTTP
 API (aiohttp), and tests hand the dispatcher their own engines. A connection that fails, or a
 stream that breaks before its first token, is an `UnreachableError` (the request may be retried
-elsewhere); an engine's error answer is an `EngineFailedError`.
+elsewhere); an engine's refusal of the request itself (a 4xx) is an `EngineRejectedError` (the
+client's mistake, a 400 to it); any other error answer is an `EngineFailedError`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import aiohttp
 
 from evolving_infra.router.dispatcher import (
     EngineFailedError,
+    EngineRejectedError,
     Finished,
     GenerationEvent,
     PreparedRequest,
@@ -173,12 +175,34 @@ class HttpTransport:
         if resp.status == 200:
             return
         detail = (await resp.text())[:500]
-        if resp.status == 503:
+        if resp.status in (429, 503):
             # Draining or overloaded: another node can take the request.
-            raise UnreachableError(engine, f"HTTP 503: {detail}")
+            raise UnreachableError(engine, f"HTTP {resp.status}: {detail}")
+        if 400 <= resp.status < 500 and resp.status != 408:
+            # The request itself (a length no engine takes, a sampling value it refuses): the
+            # same on every engine, so not retried, and the client's to fix, not a 502.
+            raise EngineRejectedError(
+                f"engine {engine.node} refused the request: {_message(detail)}", node=engine.node
+            )
         raise EngineFailedError(
             f"engine {engine.node} answered HTTP {resp.status}: {detail}", node=engine.node
         )
+
+
+def _message(detail: str) -> str:
+    """An engine's error text: the message of an OpenAI- or SGLang-shaped JSON error, else the
+    text as it came."""
+    try:
+        body = json.loads(detail)
+    except ValueError:
+        return detail
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return detail
 
 
 class _Request:
