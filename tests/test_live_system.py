@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_helpers import start_cluster
 from evolving_infra.cluster import command as cluster_command
@@ -95,6 +96,33 @@ def test_kv_hits_are_visible_through_the_events(cluster: cluster_command.Cluster
             for url in cluster.engine_urls
         )
     assert hinted >= 1
+
+
+def test_metrics_show_each_engines_load_the_planner_and_ingestion(
+    cluster: cluster_command.Cluster,
+) -> None:
+    status, _ = _chat(cluster.router_url, PROMPT, branch="agent-metrics")
+    assert status == 200
+    with urllib.request.urlopen(f"{cluster.router_url}/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+    def values(name: str, label: str) -> dict[str, float]:
+        return {s.labels[label]: s.value for s in families[name].samples}
+
+    nodes = {"0", "1", "2", "3"}
+    capacity = values("evolving_engine_kv_capacity_blocks", "node")
+    assert set(capacity) == nodes and min(capacity.values()) > 0
+    assert set(values("evolving_engine_decode_requests", "node")) == nodes
+    assert set(values("evolving_engine_queued_prefill_tokens", "node")) == nodes
+    assert set(values("evolving_engine_kv_used_blocks", "node")) == nodes
+    assert values("evolving_planner_split", "phase") == {"prefill": 2.0, "decode": 2.0}
+    assert families["evolving_planner_enabled"].samples[0].value == 0.0  # --no-planner
+    assert values("evolving_planner_switches", "outcome") == {"ok": 0.0, "failed": 0.0}
+    events = values("evolving_kv_events", "counter")
+    assert events["batches"] > 0 and events["corrupt_batches"] == 0
+    assert {"gaps", "replays", "restarts"} <= set(events)
+    assert values("evolving_admission_shed", "when") == {"early": 0.0, "late": 0.0}
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
 
 
 async def _load(router: str, stop: asyncio.Event, results: list[int], worker: int) -> None:

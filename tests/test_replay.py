@@ -148,18 +148,20 @@ def test_summary_math() -> None:
         Outcome.failure("http_503:no_engine"),
         Outcome.failure("timeout", e2e=600.0),
         Outcome.failure("http_503:no_engine"),
+        Outcome.failure("http_429:overloaded"),
     ]
     s = summarize(
-        outcomes, agents=2, duration_s=10, elapsed_s=4.0, issued=7, unissued=3, ideal_hit_rate=0.9
+        outcomes, agents=2, duration_s=10, elapsed_s=4.0, issued=8, unissued=3, ideal_hit_rate=0.9
     )
-    assert (s.completed, s.failed, s.lost, s.unissued) == (3, 3, 1, 3)
+    assert (s.completed, s.failed, s.lost, s.unissued) == (3, 4, 1, 3)
+    assert s.shed == 1  # the 429: refused before dispatch
     assert s.hit_rate == 300 / 400
     assert s.requests_per_s == 3 / 4
     assert s.output_tokens_per_s == 60 / 4
     assert s.p50_ttft_s == pytest.approx(0.2)
     assert s.p95_ttft_s == pytest.approx(0.2 + 0.9 * 0.1)  # interpolated, as `trace stats`
     assert s.mean_e2e_s == 2.0  # completed requests only
-    assert s.errors == {"http_503:no_engine": 2, "timeout": 1}
+    assert s.errors == {"http_429:overloaded": 1, "http_503:no_engine": 2, "timeout": 1}
     d = s.to_dict()
     assert json.loads(json.dumps(d)) == d
     for key in ("completed", "failed", "lost", "hit_rate", "p95_ttft_s", "mean_e2e_s"):

@@ -385,8 +385,12 @@ def test_metrics_count_requests_tokens_and_latencies() -> None:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = await resp.text()
-        names = {f.name for f in text_string_to_metric_families(text)}
-        assert all(n.startswith("evolving_") for n in names)
+        families = list(text_string_to_metric_families(text))
+        names = {f.name for f in families}
+        # The router's own series and the process's; no `_created` beside each counter.
+        assert all(n.startswith(("evolving_", "process_")) for n in names), names
+        assert "process_resident_memory_bytes" in names
+        assert not [s.name for f in families for s in f.samples if s.name.endswith("_created")]
         requests = sample_values(r, "evolving_requests_total")
         assert requests[(("route", "/v1/completions"), ("status", "200"))] == 2.0
         assert requests[(("route", "/v1/completions"), ("status", "400"))] == 1.0

@@ -4,6 +4,8 @@ Definitions (the `--json` summary's keys):
 - `issued`: requests sent to the router; `completed` of them answered in full (a stream that
   ended with `[DONE]` and carried the usage), `failed` answered with an error or broken (by
   reason in `errors`), `lost` neither: always 0 unless the replay's accounting has a bug.
+  `shed`: of the failed, those the router refused at once for overload (`429`: no engine saw
+  them, the client may retry after `Retry-After`); the others failed late, after admission.
 - `unissued`: requests the closed loop made ready but the run stopped (duration) before sending.
 - `requests_per_s`, `output_tokens_per_s`: completed requests and their output tokens over the
   wall time from the run's start to the end of its drain (`elapsed_s`).
@@ -25,6 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evolving_infra.workloads.stats import percentile
+
+# The failure reason of a request the router shed for overload (`replay.client`'s `http_429:...`).
+SHED_PREFIX = "http_429:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,7 @@ class Summary:
     completed: int
     failed: int
     lost: int
+    shed: int  # of `failed`: refused for overload (429) before dispatch
     unissued: int
     requests_per_s: float
     output_tokens_per_s: float
@@ -98,6 +104,7 @@ def summarize(
         completed=len(done),
         failed=len(failed),
         lost=issued - len(done) - len(failed),
+        shed=sum(1 for o in failed if (o.reason or "").startswith(SHED_PREFIX)),
         unissued=unissued,
         requests_per_s=len(done) * rate,
         output_tokens_per_s=output * rate,

@@ -40,8 +40,8 @@ from evolving_infra.router.app import build_app
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
 from evolving_infra.router.ingest import EventIngestor, SampleIngestor
-from evolving_infra.router.loads import EngineHandle
-from evolving_infra.router.metrics import EngineView, RouterMetrics
+from evolving_infra.router.loads import EngineHandle, NodeWork
+from evolving_infra.router.metrics import EngineView, PlannerView, RouterMetrics
 from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
@@ -250,9 +250,12 @@ class RouterDaemon:
             max_queue_wait_s=cfg.max_queue_wait,
         )
         self.metrics.watch_engines(self.engine_views)
+        self.metrics.watch_planner(self.planner_view)
+        events, samples = self.events, self.samples
+        self.metrics.watch_ingest(lambda: (events.snapshot(), samples.snapshot()))
         gate = self.dispatcher.gate
         if gate is not None:
-            self.metrics.watch_admission(lambda: gate.waiting)
+            self.metrics.watch_admission(lambda: (gate.waiting, gate.shed_early, gate.shed_late))
         app = build_app(
             self.dispatcher,
             self.tracker,
@@ -407,18 +410,42 @@ class RouterDaemon:
             log.debug("hints_failed", node=node, reason=str(e))
 
     def engine_views(self) -> list[EngineView]:
-        """Each engine's state and the directory's count of its blocks, for `/metrics`."""
+        """Each engine's state, the directory's count of its blocks and the router's of its
+        work, for `/metrics`."""
         d = self.registry
-        return [
-            EngineView(
-                node=n,
-                state=e.state,
-                phase=e.phase,
-                l1_blocks=self.directory.held(n, "L1"),
-                l2_blocks=self.directory.held(n, "L2"),
+        out = []
+        for n, e in sorted(d.engines.items()):
+            load = d.loads.loads.get(n) or NodeWork()
+            out.append(
+                EngineView(
+                    node=n,
+                    state=e.state,
+                    phase=e.phase,
+                    l1_blocks=self.directory.held(n, "L1"),
+                    l2_blocks=self.directory.held(n, "L2"),
+                    decode_requests=load.decode_requests,
+                    queued_prefill_tokens=load.queued_prefill_tokens,
+                    kv_used_blocks=load.kv_used_blocks,
+                    kv_capacity_blocks=e.kv_capacity_blocks,
+                )
             )
-            for n, e in sorted(d.engines.items())
-        ]
+        return out
+
+    def planner_view(self) -> PlannerView:
+        """The planner's split, decisions and switches, for `/metrics`."""
+        p = self.planner
+        assert p is not None
+        split = p.split()
+        ok = sum(1 for s in p.switches if s.ok)
+        return PlannerView(
+            enabled=p.enabled,
+            prefill=split.prefill,
+            decode=split.decode,
+            decisions=p.decisions,
+            switches_ok=ok,
+            switches_failed=len(p.switches) - ok,
+            last_decision_unix=p.last_decision_unix,
+        )
 
     def status(self) -> dict[str, Any]:
         """Counters for logs and tests: ingestion, planner, engines."""

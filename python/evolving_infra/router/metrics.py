@@ -2,21 +2,41 @@
 
 Each `RouterMetrics` has its own registry rather than prometheus_client's global one: two apps in
 one process (tests, or a router next to a simulated engine) then never share or double-register
-series. Labels take values from fixed sets only (route templates, error codes, branch events), so
-the number of series stays bounded whatever clients send.
+series. Labels take values from fixed sets only (route templates, error codes, branch events,
+engine node ids), so the number of series stays bounded whatever clients send.
+
+Besides the request series, what an operator asks of a running router is read at scrape time
+from its parts (never stale, nothing to keep in sync): each engine's state, phase, the load the
+router sent it and the blocks the directory says it holds (`watch_engines`); the planner's split,
+decisions and switches (`watch_planner`); the KV-event and sample ingestion counters
+(`watch_ingest`); the decode-KV gate's waiting and shed requests (`watch_admission`); and the
+process's own CPU, memory and file descriptors (`process_*`). Counters carry no `_created`
+series (prometheus_client's default doubles every counter with one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from evolving_infra.router.ingest import EventCounters, SampleCounters
 from evolving_infra.router.observer import DispatchObserver
+
+# A process-wide switch in prometheus_client: the router's counters are rates to operators, and
+# a `_created` series beside each doubled the page for nothing.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds: TTFT of agent requests runs from tens of ms (a cached prefix) to tens of seconds (a
 # long uncached prompt behind a queue); end-to-end adds the decode, up to minutes.
@@ -50,26 +70,33 @@ class _BranchCollector(Collector):
         yield g
 
 
-class _ValueCollector(Collector):
-    """One unlabelled gauge read at scrape time."""
-
-    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
-        self._name, self._doc, self._read = name, doc, read
-
-    def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(self._name, self._doc, value=self._read())
-
-
 @dataclass(frozen=True, slots=True)
 class EngineView:
-    """One engine as `/metrics` shows it: its state, phase and the blocks the directory says it
-    holds per tier."""
+    """One engine as `/metrics` shows it: its state, phase, the blocks the directory says it
+    holds per tier, and the work the router has sent it and not seen end."""
 
     node: int
     state: str  # up | draining | down
     phase: str  # prefill | decode
     l1_blocks: int
     l2_blocks: int
+    decode_requests: int = 0  # requests decoding there (the router's count)
+    queued_prefill_tokens: int = 0  # uncached prompt tokens sent for prefill, not yet done
+    kv_used_blocks: int = 0  # KV blocks the router's requests hold there (prompt + max_tokens)
+    kv_capacity_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerView:
+    """The planner as `/metrics` shows it."""
+
+    enabled: bool
+    prefill: int  # up engines per phase: the split now
+    decode: int
+    decisions: int  # evaluations made, kept or switched
+    switches_ok: int  # engine switches done
+    switches_failed: int
+    last_decision_unix: float | None  # None: no decision yet
 
 
 ENGINE_STATES = ("up", "draining", "down")
@@ -96,20 +123,115 @@ class _EngineCollector(Collector):
             " events; 0 once the engine is lost, until it answers again)",
             labels=["node", "tier"],
         )
+        loads = {
+            name: GaugeMetricFamily(f"evolving_engine_{name}", doc, labels=["node"])
+            for name, doc in (
+                ("decode_requests", "Requests decoding on each engine, by the router's count"),
+                (
+                    "queued_prefill_tokens",
+                    "Uncached prompt tokens sent to each engine for prefill and not yet done",
+                ),
+                (
+                    "kv_used_blocks",
+                    "KV blocks the router's requests hold on each engine (prompt + max_tokens)",
+                ),
+                ("kv_capacity_blocks", "Each engine's GPU KV capacity in blocks"),
+            )
+        }
         for v in views:
             node = str(v.node)
             for s in ENGINE_STATES:
                 state.add_metric([node, s, v.phase], 1.0 if v.state == s else 0.0)
             blocks.add_metric([node, "L1"], v.l1_blocks)
             blocks.add_metric([node, "L2"], v.l2_blocks)
+            for name, family in loads.items():
+                family.add_metric([node], getattr(v, name))
         yield state
         yield blocks
+        yield from loads.values()
+
+
+class _PlannerCollector(Collector):
+    def __init__(self, read: Callable[[], PlannerView]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        v = self._read()
+        yield GaugeMetricFamily(
+            "evolving_planner_enabled", "1 when the planner may switch phases", value=v.enabled
+        )
+        split = GaugeMetricFamily(
+            "evolving_planner_split", "Up engines per phase: the split now", labels=["phase"]
+        )
+        split.add_metric(["prefill"], v.prefill)
+        split.add_metric(["decode"], v.decode)
+        yield split
+        yield CounterMetricFamily(
+            "evolving_planner_decisions",
+            "Planner evaluations made (the split kept or switched; the log has each)",
+            value=v.decisions,
+        )
+        switches = CounterMetricFamily(
+            "evolving_planner_switches", "Engine phase switches, by outcome", labels=["outcome"]
+        )
+        switches.add_metric(["ok"], v.switches_ok)
+        switches.add_metric(["failed"], v.switches_failed)
+        yield switches
+        if v.last_decision_unix is not None:
+            yield GaugeMetricFamily(
+                "evolving_planner_last_decision_timestamp_seconds",
+                "Unix time of the planner's latest decision",
+                value=v.last_decision_unix,
+            )
+
+
+class _IngestCollector(Collector):
+    """Every ingestion counter, one labelled counter per stream: `evolving_kv_events_total
+    {counter=...}` and `evolving_samples_total{counter=...}` (gaps, replays, corrupt batches...;
+    the field names of `EventCounters` and `SampleCounters`)."""
+
+    def __init__(self, read: Callable[[], tuple[EventCounters, SampleCounters]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        events, samples = self._read()
+        for name, doc, counters in (
+            ("evolving_kv_events", "KV-event ingestion, summed over the engines", events),
+            ("evolving_samples", "Forward-pass sample ingestion, summed over engines", samples),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["counter"])
+            for f in fields(counters):
+                family.add_metric([f.name], getattr(counters, f.name))
+            yield family
+
+
+class _AdmissionCollector(Collector):
+    def __init__(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        waiting, early, late = self._read()
+        yield GaugeMetricFamily(
+            "evolving_admission_waiting",
+            "Requests held by the router until a decode engine has room for their KV",
+            value=waiting,
+        )
+        shed = CounterMetricFamily(
+            "evolving_admission_shed",
+            "Requests refused with 429 for want of decode room: at arrival (the predicted wait"
+            " over the bound) or late (held as long as the bound)",
+            labels=["when"],
+        )
+        shed.add_metric(["early"], early)
+        shed.add_metric(["late"], late)
+        yield shed
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         self.requests = Counter(
             "evolving_requests",
             "HTTP requests by route template and status (499: the client went away)",
@@ -178,23 +300,26 @@ class RouterMetrics:
         self.registry.register(_BranchCollector(read))
 
     def watch_engines(self, read: Callable[[], list[EngineView]]) -> None:
-        """Report `read()`'s engines as `evolving_engine_state` and `evolving_directory_blocks`."""
+        """Report `read()`'s engines: `evolving_engine_state`, `evolving_directory_blocks` and
+        the router's load per engine (`evolving_engine_*`)."""
         self.registry.register(_EngineCollector(read))
+
+    def watch_planner(self, read: Callable[[], PlannerView]) -> None:
+        """Report `read()` as `evolving_planner_*`."""
+        self.registry.register(_PlannerCollector(read))
+
+    def watch_ingest(self, read: Callable[[], tuple[EventCounters, SampleCounters]]) -> None:
+        """Report `read()`'s counters as `evolving_kv_events_total` and `evolving_samples_total`."""
+        self.registry.register(_IngestCollector(read))
 
     def feed(self) -> DispatchObserver:
         """What the dispatcher tells the metrics: its overhead and the gate's holds."""
         return _MetricsFeed(self)
 
-    def watch_admission(self, read: Callable[[], int]) -> None:
-        """Report `read()` as `evolving_admission_waiting`: requests the router holds until a
-        decode engine has room for their KV (`router.admission`)."""
-        self.registry.register(
-            _ValueCollector(
-                "evolving_admission_waiting",
-                "Requests held by the router until a decode engine has room for their KV",
-                read,
-            )
-        )
+    def watch_admission(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        """Report `read()` = (waiting, shed early, shed late) of the decode-KV gate
+        (`router.admission`) as `evolving_admission_waiting` and `evolving_admission_shed`."""
+        self.registry.register(_AdmissionCollector(read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

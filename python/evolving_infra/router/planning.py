@@ -78,6 +78,8 @@ class LivePlanner:
         )
         self.switches: list[SwitchRecord] = []
         self._switching: set[int] = set()
+        self.decisions = 0  # evaluations made (kept or switched), for /metrics
+        self.last_decision_unix: float | None = None  # wall-clock time of the latest
 
     def switching(self, node: int) -> bool:
         return node in self._switching
@@ -137,6 +139,8 @@ class LivePlanner:
         target = self.planner.decide(now, current, list(self.slices.window), self.model)
         decided = self.planner.decision(now, target)
         if decided is not None:  # kept or switched, and Θ per candidate: why
+            self.decisions += 1
+            self.last_decision_unix = time.time()
             log.info("planner_decision", **decided)
         if target is None or target == current:
             return

@@ -34,6 +34,8 @@ class SoakReport:
             "ok": self.ok,
             "completed": s.completed,
             "failed": s.failed,
+            "shed_early": s.shed,
+            "failed_late": s.failed - s.shed,
             "lost": s.lost,
             "issued": s.issued,
             "unissued": s.unissued,
@@ -59,6 +61,10 @@ def _ms(x: float | None, above_top: bool = False) -> str:
     return "-" if x is None else f"{'>= ' if above_top else ''}{1e3 * x:.1f} ms"
 
 
+def _share(n: int, of: int) -> str:
+    return f"{n} ({100 * n / of:.1f}%)" if of else str(n)
+
+
 def _mib(x: object) -> str:
     return "-" if x is None else str(x)
 
@@ -75,11 +81,13 @@ def _growth(m: dict[str, Any]) -> str:
 def render(report: SoakReport, console: Console) -> None:
     s = report.summary
     head = Table(title="soak: requests")
-    for col in ("completed", "failed", "lost", "unissued", "req/s", "overhead P50", "P99"):
+    heads = ("completed", "shed early (429)", "failed late", "lost", "unissued", "req/s")
+    for col in (*heads, "overhead P50", "P99"):
         head.add_column(col, justify="right")
     head.add_row(
         str(s.completed),
-        str(s.failed),
+        _share(s.shed, s.issued),
+        _share(s.failed - s.shed, s.issued),
         str(s.lost),
         str(s.unissued),
         f"{s.requests_per_s:.2f}",
