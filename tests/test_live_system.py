@@ -111,7 +111,8 @@ def test_metrics_show_each_engines_load_the_planner_and_ingestion(
 
     nodes = {"0", "1", "2", "3"}
     capacity = values("evolving_engine_kv_capacity_blocks", "node")
-    assert set(capacity) == nodes and min(capacity.values()) > 0
+    assert set(capacity) == nodes
+    assert min(capacity.values()) > 0
     assert set(values("evolving_engine_decode_requests", "node")) == nodes
     assert set(values("evolving_engine_queued_prefill_tokens", "node")) == nodes
     assert set(values("evolving_engine_kv_used_blocks", "node")) == nodes
@@ -119,7 +120,8 @@ def test_metrics_show_each_engines_load_the_planner_and_ingestion(
     assert families["evolving_planner_enabled"].samples[0].value == 0.0  # --no-planner
     assert values("evolving_planner_switches", "outcome") == {"ok": 0.0, "failed": 0.0}
     events = values("evolving_kv_events", "counter")
-    assert events["batches"] > 0 and events["corrupt_batches"] == 0
+    assert events["batches"] > 0
+    assert events["corrupt_batches"] == 0
     assert {"gaps", "replays", "restarts"} <= set(events)
     assert values("evolving_admission_shed", "when") == {"early": 0.0, "late": 0.0}
     assert families["process_resident_memory_bytes"].samples[0].value > 0
