@@ -27,6 +27,7 @@ from rich.console import Console
 
 from evolving_infra import cli, demo
 from evolving_infra.cluster import command as cluster_command
+from evolving_infra.cluster import procs
 from evolving_infra.engines.pool import master as master_mod
 from evolving_infra.engines.pool.errors import MooncakeMissingError
 from evolving_infra.engines.sglang import command as sglang_command
@@ -386,8 +387,8 @@ def test_replay_to_a_router_that_never_answers_is_one_line(
 # -- child processes that fail, bugs, Ctrl-C ---------------------------------------------------
 
 
-def _proc(tmp_path: Path, log: str) -> cluster_command._Proc:
-    p = cluster_command._Proc("engine-1", [], tmp_path / "engine-1.log")
+def _proc(tmp_path: Path, log: str) -> procs.Proc:
+    p = procs.Proc("engine-1", [], tmp_path / "engine-1.log")
     p.log.write_text(log)
     return p
 
@@ -404,7 +405,7 @@ def test_a_child_that_crashed_names_itself_and_its_log_first(
         f" {tmp_path / 'engine-1.log'}; its last lines:"
     )
     assert rest[-1] == "  Boom"
-    assert len(rest) == cluster_command.TAIL_LINES
+    assert len(rest) == procs.TAIL_LINES
 
 
 def test_a_child_that_said_why_is_one_line_with_its_reason(tmp_path: Path) -> None:

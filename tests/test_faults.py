@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_helpers import start_cluster
 from evolving_infra.cluster import command as cluster_command
+from evolving_infra.cluster import procs
 
 PROMPT = "An agent's context: the repository holds these files. " + "src/lib.rs " * 16
 
@@ -70,7 +71,7 @@ def chat(router: str, content: str, max_tokens: int = 4) -> dict[str, object]:
         return answer
 
 
-def proc(c: cluster_command.Cluster, name: str) -> cluster_command._Proc:
+def proc(c: cluster_command.Cluster, name: str) -> procs.Proc:
     return next(p for p in c.procs if p.name == name)
 
 

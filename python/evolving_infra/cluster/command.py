@@ -5,10 +5,12 @@ simulated engines (the first `--prefill` of them in the prefill phase, the rest 
 `evolving-infra engine` process with its HTTP data API, its EngineControl gRPC service and its
 ZMQ event and sample streams) and the router daemon in front of them; waits until the router's
 `/health` says every engine is up; then waits. Ctrl-C (or SIGTERM) stops the router first, then
-the engines, then the master. If any process exits on its own, everything is stopped and the
-command fails (status 1), naming it and its log, with the child's own error line when it printed
-one, else the end of its log. A router port already taken, or Mooncake missing without
-`--no-pool`, is found before anything starts: one line, status 2.
+the engines, then the master. A process that fails to start stops everything, and the command
+fails (status 1), naming it and its log, with the child's own error line when it printed one,
+else the end of its log. Once up, a process that exits on its own is restarted on the same ports,
+with back-off, while the rest keeps serving (`supervise.py`); with `--stop-on-failure`, any exit
+stops everything and fails the command as at start. A router port already taken, or Mooncake
+missing without `--no-pool`, is found before anything starts: one line, status 2.
 
 Each process logs to `--log-dir` (JSON lines; the master's own log too).
 """
@@ -16,10 +18,8 @@ Each process logs to `--log-dir` (JSON lines; the master's own log too).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -40,10 +40,11 @@ from evolving_infra.argtypes import (
     positive_int,
     positive_seconds,
 )
+from evolving_infra.cluster.procs import ClusterError, Proc
+from evolving_infra.cluster.supervise import Supervisor
 from evolving_infra.engines.pool.errors import MooncakeMissingError
 from evolving_infra.engines.sim.command import check_deployment
 from evolving_infra.engines.sim.core import EngineSettings
-from evolving_infra.errors import CommandError, one_line
 from evolving_infra.ports import LOOPBACK, PortInUseError, check_listen, free_ports, port_taken
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
@@ -65,74 +66,6 @@ ENGINE_START_ATTEMPTS = 3
 # What an engine prints, and exits with status 2, when one of its ports is taken
 # (`ports.PortInUseError`, from `engines/sim/command.py`).
 CANNOT_LISTEN = "error: cannot listen"
-TAIL_LINES = 15
-
-
-class ClusterError(CommandError):
-    """A process of the cluster failed to start or exited (not the user's doing: status 1); the
-    first line names it and its log, `details` may hold the end of that log."""
-
-    exit_status = 1
-
-
-@dataclass
-class _Proc:
-    name: str
-    args: list[str]
-    log: Path
-    popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.popen = subprocess.Popen(
-                self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def exited(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
-
-    def interrupt(self) -> None:
-        """Asks the process to shut down (SIGINT, as Ctrl-C would)."""
-        p = self.popen
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGINT)
-
-    def wait(self, timeout_s: float = 15.0) -> None:
-        """Waits for the exit; kills the process if it takes longer than `timeout_s`."""
-        p = self.popen
-        if p is None:
-            return
-        try:
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-    def tail(self, lines: int = TAIL_LINES) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def failure(self, code: int) -> ClusterError:
-        """The error for this process having exited with `code`: its own error line when it
-        printed one (`evolving-infra X: error: ...`), else the end of its log on later lines."""
-        said = _error_line(self.tail(40))
-        if said:
-            return ClusterError(f"{self.name} exited with status {code}: {said} (log: {self.log})")
-        tail = "\n".join(f"  {line[:300]}" for line in self.tail().splitlines())
-        return ClusterError(
-            f"{self.name} exited with status {code}; its log: {self.log}"
-            + ("; its last lines:" if tail else " (empty)"),
-            details=tail,
-        )
-
-
-def _error_line(log: str) -> str:
-    """What a child `evolving-infra` command said when it failed: its error line, unprefixed."""
-    for line in reversed(log.splitlines()):
-        if line.startswith("evolving-infra ") and ": error: " in line:
-            return one_line(line.split(": error: ", 1)[1])
-    return ""
 
 
 @dataclass
@@ -140,14 +73,14 @@ class Cluster:
     """The processes of one `cluster up`, stopped in reverse order of start."""
 
     log_dir: Path
-    procs: list[_Proc] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
     master: object | None = None  # a PoolMaster, when the pool runs
     router_url: str = ""
     engine_urls: list[str] = field(default_factory=list)  # HTTP data API, by node id
     control: list[str] = field(default_factory=list)  # EngineControl HOST:PORT, by node id
 
-    def spawn(self, name: str, args: list[str]) -> _Proc:
-        p = _Proc(name, args, self.log_dir / f"{name}.log")
+    def spawn(self, name: str, args: list[str]) -> Proc:
+        p = Proc(name, args, self.log_dir / f"{name}.log")
         p.start()
         self.procs.append(p)
         return p
@@ -202,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds between the router's phase-split decisions (default: 60)")  # fmt: skip
     a("--log-dir", type=Path, default=Path("cluster-logs"),
       help="folder of every process's log (default: cluster-logs)")  # fmt: skip
+    a("--stop-on-failure", action="store_true",
+      help="stop everything when any process exits, instead of restarting it (with back-off)"
+      " while the rest keeps serving")  # fmt: skip
 
 
 def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
@@ -260,7 +196,7 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
         http, grpc = ports[:n], ports[n:]
         l2 = [] if args.l2_blocks is None else ["--l2-blocks", str(args.l2_blocks)]
 
-        def spawn_engine(i: int) -> _Proc:
+        def spawn_engine(i: int) -> Proc:
             phase = "prefill" if i < prefill else "decode"
             return cluster.spawn(
                 f"engine-{i}",
@@ -327,19 +263,20 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
         cluster.stop()
         raise
     table = Table(title="evolving-infra cluster on 127.0.0.1")
-    for col in ("process", "phase", "address", "log"):
+    for col in ("process", "pid", "phase", "address", "log"):
         table.add_column(col)
-    table.add_row("router", "", cluster.router_url, "router.log")
+    table.add_row("router", str(router_proc.pid), "", cluster.router_url, "router.log")
     for i in range(n):
         phase = "prefill" if i < prefill else "decode"
         table.add_row(
             f"engine {i}",
+            str(engines[i].pid),
             phase,
             f"http://127.0.0.1:{http[i]} (control 127.0.0.1:{grpc[i]})",
             f"engine-{i}.log",
         )
     if pool:
-        table.add_row("mooncake master", "", pool[1], "(log dir)")
+        table.add_row("mooncake master", "", "", pool[1], "(log dir)")
     console.print(table)
     console.print(f"logs in {args.log_dir}/; Ctrl-C stops everything")
     return cluster
@@ -356,11 +293,18 @@ def run(args: argparse.Namespace) -> int:
     cluster = up(args, console)  # its errors are reported by cli.main
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    supervisor = None if args.stop_on_failure else Supervisor(cluster.procs, console)
     try:
         while not stopping:
-            cluster.check()
+            if supervisor is None:
+                cluster.check()
+            else:
+                supervisor.poll()
             time.sleep(0.5)
         console.print("stopping: router, engines, pool master")
     finally:
         cluster.stop()
+        if supervisor is not None and supervisor.restarts:
+            said = ", ".join(f"{name} x{k}" for name, k in supervisor.restarts.items())
+            console.print(f"restarts: {said}")
     return 0

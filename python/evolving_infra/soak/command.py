@@ -42,7 +42,8 @@ from evolving_infra.argtypes import (
     positive_seconds,
 )
 from evolving_infra.cluster import command as cluster_command
-from evolving_infra.cluster.command import Cluster, ClusterError
+from evolving_infra.cluster.command import Cluster
+from evolving_infra.cluster.procs import ClusterError
 from evolving_infra.errors import CommandError
 from evolving_infra.replay.command import DEFAULT_MODEL, draw
 from evolving_infra.replay.runner import Replayer, ReplaySettings
