@@ -57,6 +57,7 @@ from evolving_infra.router.dispatcher import (
 )
 from evolving_infra.router.metrics import CONTENT_TYPE, RouterMetrics
 from evolving_infra.router.server import ON_BAD_HTTP
+from evolving_infra.router.sessions import session_branch
 from evolving_infra.router.tokenize import (
     Tokenizer,
     encode_chat,
@@ -326,7 +327,8 @@ class FrontEnd:
                 code=api.UNKNOWN_MODEL,
                 param="model",
             )
-        info = parse_branch_info(request.headers, req.agent)
+        # The router's own branch API first; else the session headers harnesses already send.
+        info = parse_branch_info(request.headers, req.agent) or session_branch(request.headers)
         ids, hashes = await asyncio.to_thread(self._encode, req)
         field = "messages" if kind == "chat" else "prompt"
         if not ids:

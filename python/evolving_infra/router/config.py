@@ -23,7 +23,9 @@ Serves the OpenAI API (/v1/chat/completions, /v1/completions with SSE streaming,
 front of the engines given with --engines (their control services), and the agent branch API:
 the headers X-Agent-Branch, X-Agent-Parent-Branch and X-Agent-Event (fork|compaction|end), or
 the same in a body field "agent": {"branch", "parent", "event"}; POST /v1/branches/{id}/end ends
-a branch.
+a branch. Without them, the session headers harnesses already send name the branch: Dynamo's
+X-Dynamo-Session-ID (and -Parent-Session-ID, -Session-Final), Claude Code's
+X-Claude-Code-Session-Id / -Agent-Id, Codex's Session-Id, OpenCode's X-Session-Id.
 Also /health and /metrics (Prometheus, evolving_* series). Logs are JSON lines on stderr.
 
 Prompts are tokenized with --tokenizer (a Hugging Face tokenizer.json) or, without one, as UTF-8
