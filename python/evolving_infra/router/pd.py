@@ -71,6 +71,7 @@ class _Placement:
     prefill_s: float
     uncached: int
     decode_blocks: int
+    max_out: int  # the output budget sent to the engines (`RouteRequest.expected_output_tokens`)
 
 
 class PdDispatcher:
@@ -146,7 +147,9 @@ class PdDispatcher:
 
     def _max_out(self, req: PreparedRequest) -> int:
         """The request's output budget: its max_tokens, else the default, cut to the room its
-        prompt leaves (the front end refused requests that do not fit: `limits`)."""
+        prompt leaves (the front end refused requests that do not fit: `limits`). Computed once
+        per request, into its route (`_route`); the gate, the placement and the engines' bodies
+        read it there."""
         if req.sampling.max_tokens:
             return req.sampling.max_tokens
         room = self.limits().context_tokens
@@ -204,13 +207,19 @@ class PdDispatcher:
         t = route.prompt_tokens
         uncached = max(t - min(placed.cached_blocks * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)
-        blocks = self._decode_blocks(req)
-        return _Placement(reg.engines[placed.node], reg.engines[d], seconds, uncached, blocks)
+        return _Placement(
+            reg.engines[placed.node],
+            reg.engines[d],
+            seconds,
+            uncached,
+            self._decode_blocks(route),
+            route.expected_output_tokens,
+        )
 
-    def _decode_blocks(self, req: PreparedRequest) -> int:
-        """KV blocks the router counts for `req` on its decode node: prompt and `max_tokens`
-        (the gate asks for the same room the placement then takes)."""
-        return blocks_for(len(req.token_ids) + self._max_out(req), self.page_size)
+    def _decode_blocks(self, route: RouteRequest) -> int:
+        """KV blocks the router counts for the request on its decode node: prompt and output
+        budget (the gate asks for the same room the placement then takes)."""
+        return blocks_for(route.prompt_tokens + route.expected_output_tokens, self.page_size)
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         held_s = 0.0
@@ -221,7 +230,7 @@ class PdDispatcher:
             # The room is taken by `_run` (`add_decode`) with no `await` in between.
             start = time.monotonic()
             decode = await self.gate.wait(
-                self._decode_blocks(request), lambda extra: self._choose_decode(route, extra)
+                self._decode_blocks(route), lambda extra: self._choose_decode(route, extra)
             )
             held_s = time.monotonic() - start
             self.observer.admitted(held_s)
@@ -262,7 +271,7 @@ class PdDispatcher:
         self, req: PreparedRequest, place: _Placement, attempt: int, held_s: float = 0.0
     ) -> AsyncIterator[GenerationEvent]:
         room = self._rng.randint(0, ROOM_MAX)
-        prefill_body, decode_body = pd_bodies(req, place.prefill, room, attempt, self._max_out(req))
+        prefill_body, decode_body = pd_bodies(req, place.prefill, room, attempt, place.max_out)
         p, d = place.prefill, place.decode
         me = asyncio.current_task()
         assert me is not None
