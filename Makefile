@@ -15,7 +15,7 @@ SYSTEM_DEPS := PYTHON=$(PYTHON) scripts/system-deps.sh
 
 .DEFAULT_GOAL := help
 .PHONY: help system-deps-build system-deps-test venv build demo demo-directory test test-rust \
-	test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak sglang fuzz clean
+	test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak parity sglang fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -102,6 +102,11 @@ soak: build ## 200 agents for 30 min on a loopback cluster, an engine killed, th
 	mkdir -p out
 	$(VENV)/bin/evolving-infra soak $(SOAK_ARGS) --log-dir out/soak-logs --json > out/soak.json
 	$(PY) -m json.tool out/soak.json
+
+PARITY_ARGS ?= --engines 4 --agents 16 --duration 120 --seed 1
+
+parity: build ## one workload through the simulator and the live system (4 engines, 16 agents, 120 s), figures side by side (not in `make test`)
+	$(VENV)/bin/evolving-infra parity $(PARITY_ARGS) --log-dir out/parity-logs --report out/parity.json
 
 FUZZ_SECONDS ?= 60
 

@@ -343,3 +343,15 @@ def test_engine_process_with_pyzmq_uses_the_pool(pair: tuple[PoolClient, PoolCli
     finally:
         pub.close(linger=0)
         ctx.term()
+
+
+def test_a_long_prompt_is_fetched_within_the_transports_queue(new_client: ClientFactory) -> None:
+    """3,000 small blocks in one fetch: Mooncake's TCP transport queues at most 1,024 transfers
+    per peer and fails the rest at once ("queue-full"), which made the worker refetch them one
+    by one past its call timeout. The worker cuts batches below that bound (MAX_BATCH_KEYS)."""
+    a, b = new_client(block_bytes=1024), new_client(block_bytes=1024)
+    hashes = list(range(70_000, 73_000))
+    a.put_batch([(h, None) for h in hashes])
+    assert b.fetch_batch(hashes) == [1024] * len(hashes)
+    for client in (a, b):
+        assert "queue-full" not in client.log_path.read_text(errors="replace")

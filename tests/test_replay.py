@@ -142,8 +142,26 @@ def test_headers_and_codes_are_the_routers() -> None:
 
 def test_summary_math() -> None:
     outcomes = [
-        Outcome(True, ttft=0.1, e2e=1.0, prompt_tokens=100, cached_tokens=50, output_tokens=10),
-        Outcome(True, ttft=0.3, e2e=2.0, prompt_tokens=300, cached_tokens=250, output_tokens=30),
+        Outcome(
+            True,
+            ttft=0.1,
+            e2e=1.0,
+            prompt_tokens=100,
+            cached_tokens=50,
+            output_tokens=10,
+            blocks=6,
+            cached_blocks=3,
+        ),
+        Outcome(
+            True,
+            ttft=0.3,
+            e2e=2.0,
+            prompt_tokens=300,
+            cached_tokens=250,
+            output_tokens=30,
+            blocks=18,
+            cached_blocks=9,
+        ),
         Outcome(True, ttft=0.2, e2e=3.0, prompt_tokens=0, cached_tokens=0, output_tokens=20),
         Outcome.failure("http_503:no_engine"),
         Outcome.failure("timeout", e2e=600.0),
@@ -155,7 +173,9 @@ def test_summary_math() -> None:
     )
     assert (s.completed, s.failed, s.lost, s.unissued) == (3, 4, 1, 3)
     assert s.shed == 1  # the 429: refused before dispatch
-    assert s.hit_rate == 300 / 400
+    assert s.hit_rate_all == 300 / 400  # as reported
+    assert s.hit_rate == 12 / 24  # in blocks, capped at h*'s: the simulator's h
+    assert s.lost_kv_reuse == pytest.approx(1 - 0.5 / 0.9)
     assert s.requests_per_s == 3 / 4
     assert s.output_tokens_per_s == 60 / 4
     assert s.p50_ttft_s == pytest.approx(0.2)
@@ -167,7 +187,14 @@ def test_summary_math() -> None:
     for key in ("completed", "failed", "lost", "hit_rate", "p95_ttft_s", "mean_e2e_s"):
         assert key in d
     empty = summarize([], agents=1, duration_s=1, elapsed_s=0.0, issued=0)
-    assert (empty.hit_rate, empty.p50_ttft_s, empty.mean_e2e_s, empty.requests_per_s) == (
+    assert (
+        empty.hit_rate,
+        empty.lost_kv_reuse,
+        empty.p50_ttft_s,
+        empty.mean_e2e_s,
+        empty.requests_per_s,
+    ) == (
+        None,
         None,
         None,
         None,
@@ -265,7 +292,9 @@ def test_failed_requests_count_with_their_reason_and_the_branches_go_on() -> Non
             "no_usage": 1,
             "stream_error:engine_failed": 2,
         }
-        assert summary.hit_rate == 0.4
+        assert summary.hit_rate_all == 0.4
+        # 4 cached tokens are no whole 32-token trace block: h counts none of them.
+        assert summary.hit_rate == 0.0
         # Branches whose last request failed, and the one-request fork, are ended by POST.
         assert set(ended) <= {f"f.t/{b}" for b in ("main", "f1", "f2", "sub")}
         assert "f.t/f2" in ended

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, Protocol
 from evolving_infra import demo, errors, logs
 from evolving_infra.cluster import command as cluster_command
 from evolving_infra.engines.sim import command as engine_command
+from evolving_infra.parity import command as parity_command
 from evolving_infra.replay import command as replay_command
 from evolving_infra.router import command as router_command
 from evolving_infra.router.config import RouterConfigError
@@ -56,6 +57,7 @@ COMMANDS: tuple[Command, ...] = (
     cluster_command,
     replay_command,
     soak_command,
+    parity_command,
 )
 
 

@@ -50,8 +50,9 @@ prefixes give equal tokens, so the engines' KV cache hits what the trace shares.
 must be the router's (checked against its /health); a trace block of 64 tokens is 4 pages of 16.
 
 Output: live progress on a terminal; at the end a summary (--json: one JSON object on stdout
-with completed, failed, lost, unissued, requests_per_s, output_tokens_per_s, hit_rate (cached /
-prompt tokens as the engines report them), ideal_hit_rate (h* of the sent requests),
+with completed, failed, lost, unissued, requests_per_s, output_tokens_per_s, hit_rate and
+ideal_hit_rate (h and h* as the simulator defines them, in trace blocks, over the completed
+requests), lost_kv_reuse (1 - h/h*), hit_rate_all (cached / prompt tokens as the engines report),
 p50/p95/p99_ttft_s, mean_e2e_s, errors by reason; see evolving_infra.replay.summary).
 Exit status 0 when at least one request completed and none was lost, else 1; 2 for bad input
 or a router that cannot be used.

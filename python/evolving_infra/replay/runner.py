@@ -120,7 +120,8 @@ class Replayer:
         self.progress = Progress()
         self.tokens = PromptTokens(trace.block_size, salt=settings.run_id)
         self.outcomes: list[Outcome] = []
-        self.ideal = IdealCache()
+        self.ideal = IdealCache()  # of the issued requests, as issued: each one's hits
+        self.ideal_done = IdealCache()  # of the completed ones: the summary's h*
         self._url = f"{settings.router}/v1/completions"
         self._replay = AgentReplay(trace, self._post)
         self._sem = asyncio.Semaphore(settings.max_inflight)
@@ -153,7 +154,7 @@ class Replayer:
             elapsed_s=time.monotonic() - wall0,
             issued=self.progress.issued,
             unissued=self.progress.unissued,
-            ideal_hit_rate=self.ideal.rate,
+            ideal_hit_rate=self.ideal_done.rate,
         )
         # Sessions cut off by the duration: end their branches, or they stay live at the router
         # (their blocks counted as needed) until its TTL.
@@ -216,7 +217,8 @@ class Replayer:
                 issued = True
                 p.issued += 1
                 p.in_flight += 1
-                self.ideal.add(req.hashes)
+                hits = self.ideal.add(req.hashes)
+                sent = asyncio.get_running_loop().time() - self._t0
                 outcome = await self._send(req)
         except asyncio.CancelledError:
             if issued:
@@ -227,6 +229,12 @@ class Replayer:
                 p.unissued += 1
             raise
         p.in_flight -= 1
+        if outcome.ok:
+            self.ideal_done.add(req.hashes)
+            cached = min(outcome.cached_tokens // self.trace.block_size, hits)
+            outcome = replace(outcome, blocks=len(req.hashes), cached_blocks=cached, sent=sent)
+        else:
+            outcome = replace(outcome, sent=sent)
         self._record(req, outcome)
         loop = asyncio.get_running_loop()
         self._replay.complete(req, loop.time() - self._t0)

@@ -9,11 +9,15 @@ Definitions (the `--json` summary's keys):
 - `unissued`: requests the closed loop made ready but the run stopped (duration) before sending.
 - `requests_per_s`, `output_tokens_per_s`: completed requests and their output tokens over the
   wall time from the run's start to the end of its drain (`elapsed_s`).
-- `hit_rate`: cached prompt tokens / prompt tokens over completed requests, as the router
-  reports them (`usage.prompt_tokens_details.cached_tokens`: what the serving engine found in
-  its KV cache); `ideal_hit_rate`: h* of the issued requests, in the order they were issued,
-  by `trace stats`'s rule (a request hits its leading blocks that each appeared in an earlier
-  request; blocks are directory hashes), so it bounds `hit_rate` up to page rounding.
+- `hit_rate`, `ideal_hit_rate`, `lost_kv_reuse`: h, h* and 1 - h/h* as the simulator defines
+  them (`sim/metrics.py`), so that the two can be set side by side (`evolving-infra parity`).
+  h*: over the completed requests, on one infinite cache (`trace stats`'s rule: a request hits
+  its leading trace blocks that each appeared in an earlier request). h: prompt blocks served
+  from cache over prompt blocks, completed requests, where a request's cached blocks are its
+  whole trace blocks among the cached tokens the router reports
+  (`usage.prompt_tokens_details.cached_tokens`: what the serving engine found in its KV
+  cache), capped at its hits on the ideal cache as issued (cached responses, which h* never
+  counts, are left out). `hit_rate_all`: cached tokens / prompt tokens as reported, uncapped.
 - `p50/p95/p99_ttft_s`: seconds from sending a request to its first content chunk (completed
   requests; linear interpolation between order statistics, as `trace stats`); `mean_e2e_s`:
   mean seconds from sending to the end of the stream. None (JSON null) when nothing completed.
@@ -43,6 +47,9 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    blocks: int = 0  # the prompt's whole trace blocks
+    cached_blocks: int = 0  # of them, cached and counted by h* (see the module docstring)
+    sent: float = 0.0  # seconds from the run's start to sending
 
     @classmethod
     def failure(cls, reason: str, e2e: float | None = None) -> Outcome:
@@ -66,7 +73,9 @@ class Summary:
     cached_tokens: int
     output_tokens: int
     hit_rate: float | None
+    hit_rate_all: float | None
     ideal_hit_rate: float | None
+    lost_kv_reuse: float | None
     p50_ttft_s: float | None
     p95_ttft_s: float | None
     p99_ttft_s: float | None
@@ -93,6 +102,8 @@ def summarize(
     prompt = sum(o.prompt_tokens for o in done)
     cached = sum(o.cached_tokens for o in done)
     output = sum(o.output_tokens for o in done)
+    blocks = sum(o.blocks for o in done)
+    h = sum(o.cached_blocks for o in done) / blocks if blocks else None
     ttfts = sorted(o.ttft for o in done if o.ttft is not None)
     e2es = [o.e2e for o in done if o.e2e is not None]
     rate = 1 / elapsed_s if elapsed_s > 0 else 0.0
@@ -111,8 +122,10 @@ def summarize(
         prompt_tokens=prompt,
         cached_tokens=cached,
         output_tokens=output,
-        hit_rate=cached / prompt if prompt else None,
+        hit_rate=h,
+        hit_rate_all=cached / prompt if prompt else None,
         ideal_hit_rate=ideal_hit_rate,
+        lost_kv_reuse=1 - h / ideal_hit_rate if h is not None and ideal_hit_rate else None,
         p50_ttft_s=percentile(ttfts, 50),
         p95_ttft_s=percentile(ttfts, 95),
         p99_ttft_s=percentile(ttfts, 99),

@@ -251,7 +251,11 @@ class Cluster:
     def _ready(self, req: SimRequest) -> None:
         req.issued = self.now
         self.metrics.issued += 1
-        if blocks_for(req.prompt_tokens + req.output_tokens, self.block_size) > self.l1_blocks:
+        limit = self.config.context_length
+        if blocks_for(req.prompt_tokens + req.output_tokens, self.block_size) > self.l1_blocks or (
+            # a request asks for at least one token (the API's max_tokens >= 1)
+            limit is not None and req.prompt_tokens + max(req.output_tokens, 1) > limit
+        ):
             req.done = self.now
             self.metrics.done(req, rejected=True)
             self._respond(req, served=False)

@@ -79,6 +79,10 @@ class SimConfig:
     observe_per_s: float = 2.0
     noise: float = 0.02  # lognormal sigma of the ground truth's iteration times
     initial_split: Split | None = None  # None: half the nodes prefill (rounded down, >= 1)
+    # A request whose prompt and output exceed this many tokens is rejected, as the live router
+    # answers `400 context_length_exceeded` past the model's context length. None: only a
+    # node's KV bounds a request (what the scenarios' results were made with).
+    context_length: int | None = None
     seed: int = 0
     duration: float | None = None  # simulated seconds; None: until every request completes
     # Safety net when `duration` is None: a run never goes past this simulated time.
@@ -94,6 +98,8 @@ class SimConfig:
                 f"decode_allocation must be one of {', '.join(DECODE_ALLOCATIONS)},"
                 f" got {self.decode_allocation!r}"
             )
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if self.chunk_tokens < 1 or self.decode_span_cap < 1:
             raise ValueError("chunk_tokens and decode_span_cap must be >= 1")
         for name in ("net_bandwidth_per_gpu", "l2_bandwidth_per_gpu", "sample_interval"):

@@ -18,6 +18,15 @@ from evolving_infra.engines.pool import wire
 from evolving_infra.engines.pool.errors import RPC_FAIL
 from evolving_infra.engines.pool.wire import synthetic_payload
 
+# Keys per `put_batch` / `get_batch` call at most. Mooncake's TCP transport (the one this
+# machine has) queues at most 1,024 transfers per peer and fails the rest at once ("TCP lane
+# queue-full rejection", tcp_transport.cpp: max_queued_transfers_per_peer=1024,
+# max_pending_admissions_per_peer=1024); a block is at least one transfer. A 4,096-key get of one
+# long prompt's blocks overflowed it, its failed keys were then fetched one by one, and the call
+# outlasted its 30 s timeout (parity run, issue 27). Half the queue leaves room for the engine's
+# other calls and the other engines' reads of the same segment.
+MAX_BATCH_KEYS = 512
+
 
 class _Worker:
     def __init__(self) -> None:
@@ -79,7 +88,7 @@ class _Worker:
 
         for key, block_hash, value in items:
             data = synthetic_payload(block_hash, value) if isinstance(value, int) else value
-            if used + len(data) > limit:
+            if used + len(data) > limit or len(chunk_keys) == MAX_BATCH_KEYS:
                 flush()
             chunk_keys.append(key)
             chunk_vals.append(data)
@@ -103,7 +112,7 @@ class _Worker:
     def get(self, keys: list[str], size_hint: int) -> list[bytes | None]:
         # NOTE: `get_batch` lands every value in the local buffer at once and yields b'' for
         # all that do not fit, so batches are cut by the expected block size.
-        per_chunk = max(1, (self.local_buffer_bytes // 2) // max(1, size_hint))
+        per_chunk = max(1, min((self.local_buffer_bytes // 2) // max(1, size_hint), MAX_BATCH_KEYS))
         out: list[bytes | None] = []
         for i in range(0, len(keys), per_chunk):
             chunk = keys[i : i + per_chunk]
