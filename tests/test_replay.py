@@ -167,12 +167,17 @@ def test_summary_math() -> None:
         Outcome.failure("timeout", e2e=600.0),
         Outcome.failure("http_503:no_engine"),
         Outcome.failure("http_429:overloaded"),
+        Outcome.failure("http_400:context_length_exceeded"),
+        Outcome.failure("connection_refused"),
+        Outcome.failure("connection"),
     ]
     s = summarize(
-        outcomes, agents=2, duration_s=10, elapsed_s=4.0, issued=8, unissued=3, ideal_hit_rate=0.9
+        outcomes, agents=2, duration_s=10, elapsed_s=4.0, issued=11, unissued=3, ideal_hit_rate=0.9
     )
-    assert (s.completed, s.failed, s.lost, s.unissued) == (3, 4, 1, 3)
+    assert (s.completed, s.failed, s.lost, s.unissued) == (3, 7, 1, 3)
     assert s.shed == 1  # the 429: refused before dispatch
+    assert (s.rejected, s.unreachable) == (1, 1)  # the 400; the router never reached
+    assert s.failed_late == 4  # the 503s, the timeout and the dropped connection
     assert s.hit_rate_all == 300 / 400  # as reported
     assert s.hit_rate == 12 / 24  # in blocks, capped at h*'s: the simulator's h
     assert s.lost_kv_reuse == pytest.approx(1 - 0.5 / 0.9)
@@ -181,7 +186,14 @@ def test_summary_math() -> None:
     assert s.p50_ttft_s == pytest.approx(0.2)
     assert s.p95_ttft_s == pytest.approx(0.2 + 0.9 * 0.1)  # interpolated, as `trace stats`
     assert s.mean_e2e_s == 2.0  # completed requests only
-    assert s.errors == {"http_429:overloaded": 1, "http_503:no_engine": 2, "timeout": 1}
+    assert s.errors == {
+        "connection": 1,
+        "connection_refused": 1,
+        "http_400:context_length_exceeded": 1,
+        "http_429:overloaded": 1,
+        "http_503:no_engine": 2,
+        "timeout": 1,
+    }
     d = s.to_dict()
     assert json.loads(json.dumps(d)) == d
     for key in ("completed", "failed", "lost", "hit_rate", "p95_ttft_s", "mean_e2e_s"):

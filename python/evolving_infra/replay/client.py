@@ -13,7 +13,8 @@ readable:
 - `broken_stream`: the stream ended without `[DONE]`, or a chunk was not JSON;
 - `no_usage`: `[DONE]` without the usage chunk (the hit rate could not count it);
 - `timeout`: no complete answer within the request timeout;
-- `connection`: the connection failed or was dropped.
+- `connection_refused`: the router could not be reached (nothing was sent: a router restarting);
+- `connection`: the connection failed or was dropped after it was made.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from evolving_infra.replay.summary import Outcome
+from evolving_infra.replay.summary import CONNECTION_REFUSED, Outcome
 
 HEADER_BRANCH = "X-Agent-Branch"
 HEADER_PARENT = "X-Agent-Parent-Branch"
@@ -71,7 +72,9 @@ async def send(
         failure = Failure("timeout")
     except aiohttp.ClientPayloadError as e:
         failure = Failure("broken_stream", str(e))
-    except aiohttp.ClientError as e:  # connection refused, reset, server disconnected
+    except aiohttp.ClientConnectorError as e:  # before anything was sent
+        failure = Failure(CONNECTION_REFUSED, str(e) or type(e).__name__)
+    except aiohttp.ClientError as e:  # reset, server disconnected
         failure = Failure("connection", str(e) or type(e).__name__)
     return Outcome.failure(failure.reason, time.monotonic() - start), failure
 

@@ -4,8 +4,12 @@ Definitions (the `--json` summary's keys):
 - `issued`: requests sent to the router; `completed` of them answered in full (a stream that
   ended with `[DONE]` and carried the usage), `failed` answered with an error or broken (by
   reason in `errors`), `lost` neither: always 0 unless the replay's accounting has a bug.
-  `shed`: of the failed, those the router refused at once for overload (`429`: no engine saw
-  them, the client may retry after `Retry-After`); the others failed late, after admission.
+  Of the failed, answered before admission: `shed`, refused at once for overload (`429`: no
+  engine saw them, the client may retry after `Retry-After`); `rejected`, refused as the
+  client's mistake (another 4xx, e.g. `400 context_length_exceeded`: a prompt no engine holds);
+  `unreachable`, never sent (the router could not be reached, e.g. while it restarts). The rest,
+  `failed_late`, failed after the router admitted them: the figure overload handling and fault
+  tolerance drive to zero (an engine killed under them is the one cause left).
 - `unissued`: requests the closed loop made ready but the run stopped (duration) before sending.
 - `requests_per_s`, `output_tokens_per_s`: completed requests and their output tokens over the
   wall time from the run's start to the end of its drain (`elapsed_s`).
@@ -34,6 +38,20 @@ from evolving_infra.workloads.stats import percentile
 
 # The failure reason of a request the router shed for overload (`replay.client`'s `http_429:...`).
 SHED_PREFIX = "http_429:"
+# ... of one it could not reach at all (`replay.client`).
+CONNECTION_REFUSED = "connection_refused"
+
+
+def before_admission(reason: str) -> str | None:
+    """`shed`, `rejected` or `unreachable` for a failure the router answered (or could not be
+    asked) before admitting the request; None for a late failure."""
+    if reason.startswith(SHED_PREFIX):
+        return "shed"
+    if reason.startswith("http_4"):
+        return "rejected"
+    if reason == CONNECTION_REFUSED:
+        return "unreachable"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +84,9 @@ class Summary:
     failed: int
     lost: int
     shed: int  # of `failed`: refused for overload (429) before dispatch
+    rejected: int  # of `failed`: refused as the client's mistake (another 4xx)
+    unreachable: int  # of `failed`: the router could not be reached
+    failed_late: int  # of `failed`: after admission
     unissued: int
     requests_per_s: float
     output_tokens_per_s: float
@@ -99,6 +120,7 @@ def summarize(
     """The summary of a run's outcomes (see the module docstring for each figure)."""
     done = [o for o in outcomes if o.ok]
     failed = [o for o in outcomes if not o.ok]
+    early = Counter(before_admission(o.reason or "") for o in failed)
     prompt = sum(o.prompt_tokens for o in done)
     cached = sum(o.cached_tokens for o in done)
     output = sum(o.output_tokens for o in done)
@@ -115,7 +137,10 @@ def summarize(
         completed=len(done),
         failed=len(failed),
         lost=issued - len(done) - len(failed),
-        shed=sum(1 for o in failed if (o.reason or "").startswith(SHED_PREFIX)),
+        shed=early["shed"],
+        rejected=early["rejected"],
+        unreachable=early["unreachable"],
+        failed_late=early[None],
         unissued=unissued,
         requests_per_s=len(done) * rate,
         output_tokens_per_s=output * rate,

@@ -35,7 +35,9 @@ class SoakReport:
             "completed": s.completed,
             "failed": s.failed,
             "shed_early": s.shed,
-            "failed_late": s.failed - s.shed,
+            "rejected": s.rejected,
+            "unreachable": s.unreachable,
+            "failed_late": s.failed_late,
             "lost": s.lost,
             "issued": s.issued,
             "unissued": s.unissued,
@@ -81,13 +83,16 @@ def _growth(m: dict[str, Any]) -> str:
 def render(report: SoakReport, console: Console) -> None:
     s = report.summary
     head = Table(title="soak: requests")
-    heads = ("completed", "shed early (429)", "failed late", "lost", "unissued", "req/s")
+    heads = ("completed", "shed early (429)", "rejected (4xx)", "unreachable", "failed late",
+             "lost", "unissued", "req/s")  # fmt: skip
     for col in (*heads, "overhead P50", "P99"):
         head.add_column(col, justify="right")
     head.add_row(
         str(s.completed),
         _share(s.shed, s.issued),
-        _share(s.failed - s.shed, s.issued),
+        _share(s.rejected, s.issued),
+        _share(s.unreachable, s.issued),
+        _share(s.failed_late, s.issued),
         str(s.lost),
         str(s.unissued),
         f"{s.requests_per_s:.2f}",

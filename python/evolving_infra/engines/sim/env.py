@@ -4,12 +4,20 @@ The discrete-event driver (`sim/cluster.py`) implements `nodemodel.node.Env` ove
 simulated times; this class implements the same protocol over the running loop, so the live
 simulated engine runs the very same prefill/decode/KV mechanics (`nodemodel/`). Simulated time runs
 `time_scale` times faster than the loop's clock: `now` is simulated seconds since the engine
-started, `at(t, ...)` is `loop.call_at` at the matching loop time. Iteration times come from the
-hidden ground truth (`RooflineTruth`, with its lognormal noise); the engine's own `IterationModel`
-is fitted online from every iteration, as the simulator's is; each iteration also becomes a `Sample`
-for the forward-pass publisher (`SampleSink`) and for `StreamIterationSamples` subscribers. The
-node's other callbacks (a prefill finished, a token batch was decoded, ...) are the engine's
-business: they go to `EngineHooks`, which the engine core implements.
+started, `at(t, ...)` is `loop.call_at` at the matching loop time. Inside a callback `now` is the
+time it was scheduled for (or the latest time already seen, if later), not the time the loop got
+to it: a busy loop runs callbacks late, and if the node read the clock there, every iteration
+would start late by the loop's lag and the engine would run slower than the hardware it models
+(on a 2-core machine with four engines, a router and a load generator, decode ran ~20% slower
+than the simulator's; `evolving-infra parity`). With the scheduled time the node's timeline
+keeps the model's durations and a late loop catches up; time never runs backwards.
+
+Iteration times come from the hidden ground truth (`RooflineTruth`, with its lognormal noise);
+the engine's own `IterationModel` is fitted online from every iteration, as the simulator's is;
+each iteration also becomes a `Sample` for the forward-pass publisher (`SampleSink`) and for
+`StreamIterationSamples` subscribers. The node's other callbacks (a prefill finished, a token
+batch was decoded, ...) are the engine's business: they go to `EngineHooks`, which the engine core
+implements.
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ class RealTimeEnv:
         self.loop = loop or asyncio.get_running_loop()
         self.scale = float(time_scale)
         self._t0 = self.loop.time()
+        self._scheduled: float | None = None  # inside a callback: the time it was due
+        self._seen = 0.0  # the latest `now` handed out: it never goes back
         self.truth = RooflineTruth(deployment, noise=noise, seed=seed)
         self.model = IterationModel(deployment)
         self.hooks = hooks
@@ -85,8 +95,13 @@ class RealTimeEnv:
 
     @property
     def now(self) -> float:
-        """Simulated seconds since the engine started."""
-        return (self.loop.time() - self._t0) * self.scale
+        """Simulated seconds since the engine started (see the module docstring)."""
+        if self._scheduled is not None:
+            return self._scheduled
+        t = (self.loop.time() - self._t0) * self.scale
+        if t > self._seen:
+            self._seen = t
+        return self._seen
 
     @now.setter
     def now(self, value: float) -> None:
@@ -97,16 +112,19 @@ class RealTimeEnv:
         return simulated / self.scale
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
-        self.loop.call_at(self._t0 + t / self.scale, self._call, fn, arg)
+        self.loop.call_at(self._t0 + t / self.scale, self._call, t, fn, arg)
 
-    @staticmethod
-    def _call(fn: Callable[[Any], None], arg: Any) -> None:
+    def _call(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
+        # The loop is at or past `t`, so the scheduled time is never ahead of the real one.
+        self._scheduled = self._seen = max(t, self._seen)
         # A node callback that raises would otherwise be reported by the loop and forgotten:
         # log it with the engine's logger (the request it served is failed by the engine).
         try:
             fn(arg)
         except Exception:
             log.exception("engine_callback_failed", callback=getattr(fn, "__qualname__", fn))
+        finally:
+            self._scheduled = None
 
     # -- samples ------------------------------------------------------------------------------
 
