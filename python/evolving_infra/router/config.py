@@ -87,6 +87,7 @@ class RouterConfig:
     log_level: Level = "info"
     planner: bool = True  # False: keep the engines' phases (the "no planner" ablation)
     admission: bool = True  # False: dispatch at once, as SGLang's gateway (`router.admission`)
+    kv_pull: bool = True  # False: never move another node's cached prefix (`router.kvpull`)
     planner_interval: float = DEFAULT_PLANNER_INTERVAL
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
@@ -114,6 +115,7 @@ class RouterConfig:
             log_level=args.log_level,
             planner=not args.no_planner,
             admission=not args.no_admission,
+            kv_pull=not args.no_kv_pull,
             planner_interval=args.planner_interval,
             shutdown_timeout=args.shutdown_timeout,
             max_queue_wait=args.max_queue_wait,
@@ -218,6 +220,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dispatch each request at once, as SGLang's gateway does, instead of holding it"
         " until a decode engine has room for its KV by the router's count (its prompt and"
         " max_tokens); the prefill engine then holds it while the decode engine is full",
+    )
+    parser.add_argument(
+        "--no-kv-pull",
+        action="store_true",
+        help="never ask a prefill engine to pull a cached prefix another node holds (EngineControl"
+        " TransferKV) before its prefill; it then computes what it does not hold itself or find"
+        " in the pool",
     )
     parser.add_argument(
         "--max-queue-wait",

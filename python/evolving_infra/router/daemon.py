@@ -40,6 +40,7 @@ from evolving_infra.router.app import build_app
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
 from evolving_infra.router.ingest import EventIngestor, SampleIngestor
+from evolving_infra.router.kvpull import ControlPuller
 from evolving_infra.router.loads import EngineHandle, NodeWork
 from evolving_infra.router.metrics import EngineView, PlannerView, RouterMetrics
 from evolving_infra.router.observer import Observers, PlannerFeed
@@ -248,11 +249,16 @@ class RouterDaemon:
             admission=cfg.admission,
             context_length=cfg.context_length or (known.context_length if known else None),
             max_queue_wait_s=cfg.max_queue_wait,
+            # The planner's map of control clients: the same dict, kept current as engines join.
+            puller=ControlPuller(self.planner.clients) if cfg.kv_pull else None,
         )
         self.metrics.watch_engines(self.engine_views)
         self.metrics.watch_planner(self.planner_view)
         events, samples = self.events, self.samples
         self.metrics.watch_ingest(lambda: (events.snapshot(), samples.snapshot()))
+        puller = self.dispatcher.puller
+        if isinstance(puller, ControlPuller):
+            self.metrics.watch_pulls(lambda: puller.counts)
         gate = self.dispatcher.gate
         if gate is not None:
             self.metrics.watch_admission(lambda: (gate.waiting, gate.shed_early, gate.shed_late))

@@ -16,7 +16,7 @@ series (prometheus_client's default doubles every counter with one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 
 import prometheus_client
@@ -227,6 +227,28 @@ class _AdmissionCollector(Collector):
         yield shed
 
 
+class _PullCollector(Collector):
+    def __init__(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._read()
+        pulls = CounterMetricFamily(
+            "evolving_kv_pulls",
+            "Cached prefixes a prefill engine was asked to pull from another node before its"
+            " prefill (EngineControl TransferKV), by outcome",
+            labels=["outcome"],
+        )
+        for outcome in ("ok", "failed"):
+            pulls.add_metric([outcome], counts.get(outcome, 0))
+        yield pulls
+        yield CounterMetricFamily(
+            "evolving_kv_pulled_blocks",
+            "KV blocks those pulls moved",
+            value=counts.get("blocks", 0),
+        )
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -320,6 +342,11 @@ class RouterMetrics:
         """Report `read()` = (waiting, shed early, shed late) of the decode-KV gate
         (`router.admission`) as `evolving_admission_waiting` and `evolving_admission_shed`."""
         self.registry.register(_AdmissionCollector(read))
+
+    def watch_pulls(self, read: Callable[[], Mapping[str, int]]) -> None:
+        """Report `read()` = {"ok", "failed", "blocks"} of the prefix pulls (`router.kvpull`)
+        as `evolving_kv_pulls_total{outcome}` and `evolving_kv_pulled_blocks_total`."""
+        self.registry.register(_PullCollector(read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,10 @@ through the `PdTransport` (`transport.py`: SGLang's PD request protocol, notes
 ends the prefill bookkeeping. The `DispatchObserver` hears of each request (the planner's
 window, the metrics). Registry, transport and observer are given at construction.
 
+Cached prefixes another node holds: when another node holds more of the prompt than the chosen
+prefill engine, the engine is asked to pull it first (`kvpull.py`: the simulator's prefill nodes
+reach the whole cluster's KV, a live engine only its own and the pool's).
+
 Load is tracked on the router side, from what it dispatched (as Dynamo's and SGLang's routers
 do), so choosing a node needs no round trip: a request adds its predicted prefill seconds to its
 prefill node until the prefill engine answers, and its KV blocks to its decode node until the
@@ -28,7 +32,7 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +50,7 @@ from evolving_infra.router.dispatcher import (
     RequestLimits,
     TextPiece,
 )
+from evolving_infra.router.kvpull import KvPuller, Pull, best_source
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.observer import DispatchObserver
 from evolving_infra.router.registry import EngineRegistry
@@ -72,6 +77,7 @@ class _Placement:
     uncached: int
     decode_blocks: int
     max_out: int  # the output budget sent to the engines (`RouteRequest.expected_output_tokens`)
+    pull: Pull | None = None  # a longer cached prefix another node holds, pulled first
 
 
 class PdDispatcher:
@@ -92,13 +98,15 @@ class PdDispatcher:
         max_queue_wait_s: float = 60.0,
         seed: int | None = None,
         admission: bool = True,
+        puller: KvPuller | None = None,
     ) -> None:
         """`registry`: the engines and their loads; `transport`: how requests reach them
         (`transport.HttpTransport` for SGLang's HTTP API); `observer`: who hears of each
         request (the planner's window, the metrics; `observer.Observers` for several);
         `context_length`: the model's (None: only the engines' KV bounds a request);
         `max_queue_wait_s`: the longest a request may wait for decode room, predicted or held,
-        before it is refused with a 429 (`admission.DecodeGate`)."""
+        before it is refused with a 429 (`admission.DecodeGate`); `puller`: moves a cached
+        prefix another node holds to the chosen prefill engine (`kvpull.py`; None: never)."""
         self.registry = registry
         self.directory = directory
         self.router = router
@@ -108,6 +116,7 @@ class PdDispatcher:
         self.observer = observer if observer is not None else DispatchObserver()
         self.default_max_tokens = default_max_tokens
         self.context_length = context_length
+        self.puller = puller
         self._rng = random.Random(seed)
         # Requests in flight per engine (their tasks), so that an engine found dead can have
         # its requests pulled back at once instead of at their timeouts.
@@ -205,7 +214,12 @@ class PdDispatcher:
         except NoNodeError as e:
             raise NoEngineError(f"{e}; engines: {reg.states()}") from None
         t = route.prompt_tokens
-        uncached = max(t - min(placed.cached_blocks * self.page_size, t), 1)
+        cached = placed.cached_blocks
+        pull = None
+        if self.puller is not None:
+            pull = best_source(route.prefix(), placed.node, cached)
+            cached = cached if pull is None else pull.blocks
+        uncached = max(t - min(cached * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)
         return _Placement(
             reg.engines[placed.node],
@@ -214,6 +228,7 @@ class PdDispatcher:
             uncached,
             self._decode_blocks(route),
             route.expected_output_tokens,
+            pull,
         )
 
     def _decode_blocks(self, route: RouteRequest) -> int:
@@ -258,6 +273,17 @@ class PdDispatcher:
             excluded.add(node)
             log.warning("retry", request=request.request_id, down=node)
 
+    async def _prefill(
+        self, p: EngineHandle, place: _Placement, hashes: Sequence[int], body: bytes
+    ) -> None:
+        """The prefill leg: the cached prefix pulled first, if another node holds more of it
+        (the engine queues the prefill once its decode side has claimed it, and would compute
+        what a pull still under way had not brought); meanwhile the decode engine admits the
+        request and waits for the room, as it would for a prefill queued behind others."""
+        if place.pull is not None and self.puller is not None:
+            await self.puller.pull(p.node, place.pull, hashes)
+        await self.transport.prefill(p, body)
+
     def _take_abort(self) -> tuple[int, str] | None:
         """The abort (node, reason) behind the current task's cancellation, consumed, or None
         when the cancellation came from elsewhere."""
@@ -295,7 +321,7 @@ class PdDispatcher:
         if attempt == 0:
             # The router's own cost: the time held by the gate is queueing, not overhead.
             seen.dispatched(time.monotonic() - req.arrival - held_s)
-        prefill = asyncio.create_task(self.transport.prefill(p, prefill_body))
+        prefill = asyncio.create_task(self._prefill(p, place, req.block_hashes, prefill_body))
         prefill.add_done_callback(prefill_done)
         stream = self.transport.decode(d, decode_body)
         del prefill_body, decode_body  # megabytes: only their requests hold them, until sent

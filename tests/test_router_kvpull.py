@@ -1,0 +1,152 @@
+"""A cached prefix another node holds is pulled to the chosen prefill engine before its prefill
+(`router/kvpull.py`, issue 27): which node it comes from, that the dispatcher pulls before it
+sends the prefill and counts the pulled prefix as cached, and a real pull between two live
+engines over EngineControl that the next prefill hits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from evolving_infra import KvDirectory, block_hashes
+from evolving_infra.control.client import EngineClient
+from evolving_infra.router import api
+from evolving_infra.router.dispatcher import Finished, PreparedRequest
+from evolving_infra.router.kvpull import ControlPuller, Pull, best_source
+from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.pd import PdDispatcher
+from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.routing.evolving import EvolvingRouter
+from evolving_infra.timing.model import IterationModel
+from evolving_infra.types import Phase
+from router_helpers import PAGE, Legs
+
+
+def test_best_source_is_the_longest_prefix_elsewhere() -> None:
+    d = KvDirectory()
+    h = list(range(1, 11))
+    d.store(0, "L1", h[:3])  # the chosen node holds 3
+    d.store(1, "L1", h[:6])
+    d.store(2, "L1", h[:4])
+    d.store(2, "L2", h[4:9], parent=h[3])  # node 2: 4 in GPU memory, 9 with its host memory
+    m = d.match(h)
+    assert best_source(m, 0, 3) == Pull(2, "L2", 9)
+    assert best_source(m, 2, 9) is None  # nobody holds more than node 2 itself
+    assert best_source(m, 0, 9) is None
+    d.store(1, "L1", h[6:10], parent=h[5])
+    assert best_source(d.match(h), 0, 3) == Pull(1, "L1", 10)  # all of it in GPU memory
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.pulls: list[tuple[int, Pull, int]] = []
+        self.order: list[str] = []
+
+    async def pull(self, dest: int, pull: Pull, hashes: Sequence[int]) -> int:
+        self.order.append("pull")
+        self.pulls.append((dest, pull, len(hashes)))
+        return pull.blocks
+
+
+def _dispatcher(directory: KvDirectory, puller: _Recorder | None, legs: Legs) -> PdDispatcher:
+    phases: tuple[Phase, ...] = ("prefill", "prefill", "decode")
+    engines = [
+        EngineHandle(n, f"http://127.0.0.1:{9000 + n}", phase, "127.0.0.1", 9000 + n, 1 << 16)
+        for n, phase in enumerate(phases)
+    ]
+    model = IterationModel()
+    router = EvolvingRouter(model, block_size=PAGE, kv_bytes_per_token=1024)
+    return PdDispatcher(
+        EngineRegistry(engines), directory, router, model, page_size=PAGE, transport=legs,
+        puller=puller, admission=False,
+    )  # fmt: skip
+
+
+def _request(ids: list[int]) -> PreparedRequest:
+    return PreparedRequest(
+        request_id="r", kind="completion", model="m", token_ids=tuple(ids),
+        block_hashes=tuple(block_hashes(ids, PAGE)), page_size=PAGE, branch=0,
+        branch_info=None, sampling=api.SamplingParams(max_tokens=4), stream=True, arrival=0.0,
+    )  # fmt: skip
+
+
+def test_the_dispatcher_pulls_the_prefix_before_it_sends_the_prefill() -> None:
+    ids = list(range(256)) * 8  # 2,048 tokens
+    req = _request(ids)
+    n = len(req.block_hashes)
+    directory = KvDirectory()
+    directory.store(2, "L1", list(req.block_hashes[: n - 4]))  # the decode node holds it
+    recorder = _Recorder()
+
+    async def prefill(engine: Any, body: bytes) -> None:
+        recorder.order.append(f"prefill on {engine.node}")
+
+    async def decode(engine: Any, body: bytes) -> Any:
+        yield Finished("stop", completion_tokens=1, cached_tokens=0)
+
+    dispatcher = _dispatcher(directory, recorder, Legs(prefill, decode))
+    place = dispatcher._place(req, set())
+    assert place.pull == Pull(2, "L1", n - 4)
+    assert place.uncached == len(ids) - (n - 4) * PAGE  # the pulled prefix counts as cached
+
+    async def run() -> None:
+        async for _ in dispatcher.generate(req):
+            pass
+
+    asyncio.run(run())
+    assert recorder.pulls == [(place.prefill.node, Pull(2, "L1", n - 4), n)]
+    assert recorder.order == ["pull", f"prefill on {place.prefill.node}"]
+    # Without a puller (--no-kv-pull) nothing moves and the prefill counts only its own.
+    bare = _dispatcher(directory, None, Legs())._place(req, set())
+    assert bare.pull is None
+    assert bare.uncached == len(ids)
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        answer: dict[str, Any] = json.loads(r.read())
+        return answer
+
+
+def test_a_pull_between_two_live_engines_is_hit_by_the_next_prefill(tmp_path: Path) -> None:
+    """Two simulated engines (real processes, EngineControl over gRPC): engine 0 prefills a
+    prompt; engine 1 pulls it from engine 0's GPU memory through `ControlPuller`; engine 1's
+    own prefill of the prompt and more then finds it cached."""
+    from cluster_helpers import start_cluster
+
+    cluster = start_cluster(tmp_path, engines=3, prefill=2)
+    try:
+        page = 16  # `cluster up`'s
+        ids = [33 + (i * 7) % 90 for i in range(64 * page)]
+        hashes = block_hashes(ids, page)
+        first = _post(f"{cluster.engine_urls[0]}/generate",
+                      {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+        assert first["meta_info"]["cached_tokens"] == 0
+
+        async def pull() -> tuple[int, dict[str, int]]:
+            async with EngineClient(cluster.control[1]) as client:
+                puller = ControlPuller({1: client})
+                moved = await puller.pull(1, Pull(0, "L1", len(hashes)), hashes)
+                return moved, puller.counts
+
+        moved, counts = asyncio.run(pull())
+        assert moved == len(hashes)
+        assert counts == {"ok": 1, "failed": 0, "blocks": len(hashes)}
+        more = ids + [40] * (4 * page)
+        second = _post(f"{cluster.engine_urls[1]}/generate",
+                       {"input_ids": more, "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+        assert second["meta_info"]["cached_tokens"] == len(ids)
+
+        async def unknown_engine() -> tuple[int, dict[str, int]]:
+            puller = ControlPuller({})
+            return await puller.pull(1, Pull(0, "L1", 3), hashes), puller.counts
+
+        assert asyncio.run(unknown_engine()) == (0, {"ok": 0, "failed": 1, "blocks": 0})
+    finally:
+        cluster.stop()
