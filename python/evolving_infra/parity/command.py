@@ -23,10 +23,8 @@ import secrets
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import structlog
 from rich.console import Console
 
 from evolving_infra.argtypes import (
@@ -43,6 +41,7 @@ from evolving_infra.parity import compare
 from evolving_infra.planner.base import Split
 from evolving_infra.replay.command import DEFAULT_MODEL, draw
 from evolving_infra.replay.runner import Replayer, ReplaySettings
+from evolving_infra.replay.summary import Outcome, Summary
 from evolving_infra.router.api import CONTEXT_LENGTH_EXCEEDED
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.policies import policy
@@ -50,8 +49,6 @@ from evolving_infra.sim.run import compare as simulate
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 from evolving_infra.workloads.claude_code import bundled_trace_dir
 from evolving_infra.workloads.model import Trace
-
-log = structlog.get_logger(__name__)
 
 NAME = "parity"
 HELP = "the same workload through the simulator and the live system, figures side by side"
@@ -170,7 +167,7 @@ def _cluster_args(args: argparse.Namespace, prefill: int) -> argparse.Namespace:
 
 def _live(
     args: argparse.Namespace, trace: Trace, prefill: int, console: Console
-) -> tuple[Any, list[Any]]:
+) -> tuple[Summary, list[Outcome]]:
     try:
         cluster = cluster_command.up(_cluster_args(args, prefill), console)
     except ClusterError as e:
@@ -183,7 +180,7 @@ def _live(
             run_id=secrets.token_hex(3),
         )
 
-        async def replay() -> tuple[Any, list[Any]]:
+        async def replay() -> tuple[Summary, list[Outcome]]:
             async with aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=settings.request_timeout),
                 connector=aiohttp.TCPConnector(limit=0),
