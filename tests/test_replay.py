@@ -116,6 +116,35 @@ def test_a_continued_conversation_shares_its_full_blocks_and_a_new_namespace_not
     assert _common(tokens.prompt(h, main.requests[0].prompt_tokens, "u"), prompts[0]) // bs == 4
 
 
+def test_the_next_prompt_carries_the_engines_answer() -> None:
+    """A continued prompt's blocks over the previous prompt's unblocked tail and its response are
+    the tokens the engine cached (tail + output), not the trace's; a prompt that does not
+    continue the previous one (a compaction) takes nothing; the first answer of a block stays."""
+    bs = 16
+    tokens = PromptTokens(bs, salt="s")
+    first = chain_hashes("ns", [BlockId(i) for i in (1, 2, 3)])
+    prompt = tokens.prompt(first, 3 * bs + 5, "r#0")  # 5 tokens past the last full block
+    output = b"O" * 40  # 5 + 40 = 45 tokens: blocks 3 and 4 whole, 13 tokens left over
+    following = chain_hashes("ns", [BlockId(i) for i in (1, 2, 3, 4, 5, 6, 7)])
+    before = tokens.prompt(following, 7 * bs, "r#1")
+    assert tokens.answered(first, prompt, output, following) == 2
+    after = tokens.prompt(following, 7 * bs, "r#1")
+    cached = prompt + list(output)  # what the decode engine holds after the first request
+    assert after[: 5 * bs] == cached[: 5 * bs]
+    assert before[: 3 * bs] == after[: 3 * bs] and before[3 * bs :] != after[3 * bs :]
+    assert after[5 * bs :] == before[5 * bs :]  # past the answer: the trace's own blocks
+    # Another prompt holding those blocks (a fork of the next turn) gets the same tokens.
+    fork = chain_hashes("ns", [BlockId(i) for i in (1, 2, 3, 4, 5, 9)])
+    assert tokens.prompt(fork, 6 * bs, "f#0")[: 5 * bs] == after[: 5 * bs]
+    # A second answer for the same blocks changes nothing: prompts already sent them.
+    assert tokens.answered(first, prompt, b"X" * 40, following) == 0
+    assert tokens.prompt(following, 7 * bs, "r#1") == after
+    # A compaction (the next prompt drops the history) and a branch's last request: nothing.
+    compacted = chain_hashes("ns", [BlockId(i) for i in (1, 8, 9, 10)])
+    assert tokens.answered(first, prompt, output, compacted) == 0
+    assert tokens.answered(first, prompt, output, first) == 0
+
+
 def test_completion_body_is_the_json_the_router_parses() -> None:
     body = json.loads(completion_body("m", [32, 65, 126, 300], 7))
     assert body == {
@@ -400,6 +429,40 @@ def test_replay_claude_code_traces_hits_kv_end_to_end(
     assert summary["p95_ttft_s"] > 0
     # Every branch the run began is ended, cut off by the duration or not.
     assert _live_branches(cluster) == 0
+
+
+def test_the_next_turn_hits_the_response_the_decode_engine_cached(cluster: Cluster) -> None:
+    """A two-turn conversation whose second prompt holds the first response (4 blocks of it):
+    the replay sends the engine's own answer back, so the second turn finds the response cached
+    (pulled from the decode engine, which alone holds it) as the simulator's decode node would."""
+    bs = 32
+
+    def req(blocks: tuple[int, ...], output: int, *, end: bool = False) -> Request:
+        ids = tuple(BlockId(b) for b in blocks)
+        return Request(
+            wait=0.02, prompt_tokens=len(ids) * bs + 5, output_tokens=output, blocks=ids,
+            end=end,
+        )  # fmt: skip
+
+    # Turn 0: 6 blocks + 5 tokens, 4 * 32 - 5 tokens of answer: blocks 6..9 are its tail and
+    # response in turn 1, which adds 2 blocks of its own.
+    turns = (req(tuple(range(1, 7)), 4 * bs - 5), req(tuple(range(1, 13)), 8, end=True))
+    root = Branch(BranchId("main"), BranchKind.ROOT, requests=turns)
+    trace = Trace("answer", bs, (Agent(AgentId("t"), "test", "t", (root,)),))
+    validate(trace)
+
+    async def main() -> list[Outcome]:
+        settings = ReplaySettings(cluster.router_url, "m", duration=30.0, run_id="answer")
+        async with aiohttp.ClientSession() as session:
+            replayer = Replayer(trace, settings, session)
+            summary = await replayer.run()
+        assert (summary.completed, summary.failed) == (2, 0), summary
+        return replayer.outcomes
+
+    second = asyncio.run(main())[1]
+    # Turn 0's prompt (6 blocks) and its answer (4 blocks) are cached; the 2 new blocks are not.
+    assert second.cached_tokens >= 10 * bs, second
+    assert second.cached_tokens < 12 * bs
 
 
 def test_replay_sends_the_branch_events_of_forks_sub_agents_and_compactions(

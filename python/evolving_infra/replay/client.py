@@ -62,12 +62,17 @@ def completion_body(model: str, prompt: Sequence[int], max_tokens: int) -> bytes
 
 
 async def send(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: Mapping[str, str]
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    answer: list[str] | None = None,
 ) -> tuple[Outcome, Failure | None]:
-    """Posts one completion and reads its stream; the session's timeout bounds it."""
+    """Posts one completion and reads its stream; the session's timeout bounds it. The
+    completion's text pieces are appended to `answer` when one is given."""
     start = time.monotonic()
     try:
-        return await _send(session, url, body, headers, start)
+        return await _send(session, url, body, headers, start, answer)
     except TimeoutError:
         failure = Failure("timeout")
     except aiohttp.ClientPayloadError as e:
@@ -85,6 +90,7 @@ async def _send(
     body: bytes,
     headers: Mapping[str, str],
     start: float,
+    answer: list[str] | None,
 ) -> tuple[Outcome, Failure | None]:
     first: float | None = None
     usage: Mapping[str, Any] | None = None
@@ -114,8 +120,13 @@ async def _send(
                 error = chunk["error"] if isinstance(chunk["error"], dict) else {}
                 failure = Failure(f"stream_error:{error.get('code')}", str(error.get("message")))
                 return Outcome.failure(failure.reason, time.monotonic() - start), failure
-            if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
-                first = time.monotonic()
+            choices = chunk.get("choices") or ()
+            texts = [t for c in choices if isinstance(t := c.get("text"), str) and t]
+            if texts:
+                if first is None:
+                    first = time.monotonic()
+                if answer is not None:
+                    answer.extend(texts)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     failure = Failure("broken_stream", "the stream ended without [DONE]")

@@ -21,9 +21,14 @@ Tokens beyond the prompt's blocks (a Claude Code prompt counts only full blocks,
 identity, so they are reproducible but never shared with another request. A prompt whose last
 block is partial (Mooncake's) is cut to `prompt_tokens`.
 
-NOTE: a trace's next prompt contains the previous response, which the engine generated with its
-own tokens; the replay sends the trace's block tokens instead, so the engine's cached output
-pages never match. The prompt part of every hit h* counts is still reproduced.
+Responses: a trace's next prompt holds the previous response, which an agent's harness sends back
+as the engine wrote it; the engine caches exactly those tokens after decoding. `answered` does
+the same here: given a completed request's prompt and the engine's output, the blocks of the
+next prompt that cover them (the request's unblocked tail and its response, as the simulator's
+decode node caches them: `nodemodel.node.Node._finish`) take those tokens in place of the
+trace's, in every prompt that holds them from then on (a block's hash names its whole chain, so
+one hash is one content). Without it the next turn's response region never matched the pages
+the decode engine kept, and the live system recomputed what the simulator found cached.
 """
 
 from __future__ import annotations
@@ -44,9 +49,13 @@ class PromptTokens:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._salt = salt.encode()
+        self._answers: dict[int, bytes] = {}  # block hash -> the tokens an engine wrote there
 
     def block(self, block_hash: int) -> bytes:
         """The `block_size` printable bytes (token ids) of one block."""
+        answer = self._answers.get(block_hash)
+        if answer is not None:
+            return answer
         key = b"block/" + self._salt + b"/" + block_hash.to_bytes(8, "little", signed=True)
         return hashlib.shake_128(key).digest(self.block_size).translate(_TO_PRINTABLE)
 
@@ -65,3 +74,25 @@ class PromptTokens:
         body = b"".join(self.block(h) for h in hashes)[: max(prompt_tokens, 0)]
         body += self.fresh(identity, prompt_tokens - len(body))
         return list(body or self.fresh(identity, 1))
+
+    def answered(
+        self, hashes: Sequence[int], prompt: Sequence[int], output: bytes, following: Sequence[int]
+    ) -> int:
+        """Records a completed request's answer: `hashes` and `prompt` its blocks and token ids,
+        `output` the engine's tokens, `following` the next prompt's block hashes in the trace.
+        When the next prompt continues this one (it holds `hashes` as its first blocks, then
+        more), its blocks over the rest of `prompt` and over `output` are these tokens from now
+        on. A block already answered keeps its first answer (prompts may have sent it). Returns
+        how many blocks were given an answer."""
+        n, b = len(hashes), self.block_size
+        if not n or len(following) <= n or following[n - 1] != hashes[n - 1]:
+            return 0
+        tokens = bytes(prompt[n * b :]) + output
+        end = min(len(following), n + len(tokens) // b)
+        given = 0
+        for i in range(n, end):
+            if following[i] not in self._answers:
+                start = (i - n) * b
+                self._answers[following[i]] = tokens[start : start + b]
+                given += 1
+        return given

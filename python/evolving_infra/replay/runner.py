@@ -25,6 +25,10 @@ Choices the trace does not make:
   parent that ended between the decision and the request.
 - A failed last request of a branch is followed by `POST /v1/branches/{id}/end`, best effort,
   so that its branch does not stay live until the router's TTL.
+- The next prompt of a branch carries the engine's answer (`PromptTokens.answered`), as a harness
+  sends back what the model wrote: the blocks over the response are the streamed text's bytes
+  (the router's byte tokenizer reads them back as the same ids; under another tokenizer they
+  only miss, as the trace's own tokens would).
 - `max_inflight` caps the requests in flight (a safety cap: the closed loop sets concurrency);
   a request held by it is sent late, and its TTFT counts from when it is sent.
 - At `duration` seconds nothing more is sent: requests not yet sent are `unissued`; those in
@@ -260,14 +264,21 @@ class Replayer:
         if event is not None:
             headers[client.HEADER_EVENT] = event
         self._begun.add(key)
-        outcome, failure = await client.send(self.session, self._url, body, headers)
+        answer: list[str] = []
+        outcome, failure = await client.send(self.session, self._url, body, headers, answer)
         if event == "fork" and outcome.reason == f"http_404:{client.UNKNOWN_BRANCH}":
             # The parent ended meanwhile: a new branch, as when it had ended before.
             del headers[client.HEADER_EVENT]
             if spec.end:
                 headers[client.HEADER_EVENT] = "end"
-            outcome, failure = await client.send(self.session, self._url, body, headers)
+            answer.clear()
+            outcome, failure = await client.send(self.session, self._url, body, headers, answer)
             event = headers.get(client.HEADER_EVENT)
+        following = self._replay.next_hashes(req) if outcome.ok else None
+        if following is not None:
+            # The next turn sends this answer back, as the agent's harness would.
+            output = "".join(answer).encode()
+            self.tokens.answered(req.hashes, prompt, output, following)
         if failure is not None:
             self._warn(failure, key, req.index)
         if spec.end:
