@@ -83,9 +83,12 @@ def restart_router(c: cluster_command.Cluster) -> None:
     cluster_command.wait_healthy(c, f"{c.router_url}/health", "the router")
 
 
-async def _client(router: str, stop: float, outcomes: list[str], i: int) -> None:
+async def _client(
+    router: str, stop: float, outcomes: list[str], i: int, max_tokens: int = 24
+) -> None:
     """Closed loop until `stop`: each request ends in an answer or an error, never in silence
-    (a 90 s client timeout would show as 'timeout')."""
+    (a 90 s client timeout would show as 'timeout'); a refused connection is tried again after
+    0.2 s."""
     timeout = aiohttp.ClientTimeout(total=90)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         n = 0
@@ -94,7 +97,7 @@ async def _client(router: str, stop: float, outcomes: list[str], i: int) -> None
             body = {
                 "model": "m",
                 "messages": [{"role": "user", "content": f"{PROMPT} client {i} turn {n}"}],
-                "max_tokens": 24,
+                "max_tokens": max_tokens,
                 "stream": i % 2 == 0,
             }
             try:
@@ -110,6 +113,8 @@ async def _client(router: str, stop: float, outcomes: list[str], i: int) -> None
                 outcomes.append("timeout")
             except aiohttp.ClientError as e:
                 outcomes.append(f"client error {type(e).__name__}")
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    await asyncio.sleep(0.2)
 
 
 def test_engine_killed_mid_load_loses_nothing_and_its_node_is_dropped(tmp_path: Path) -> None:
@@ -174,6 +179,41 @@ def test_router_restart_relearns_the_directory_from_the_engines(tmp_path: Path) 
         usage = again["usage"]
         assert isinstance(usage, dict)
         assert usage["prompt_tokens_details"]["cached_tokens"] > 0, usage
+    finally:
+        c.stop()
+
+
+def test_a_router_restarted_under_load_finishes_every_request_it_took(tmp_path: Path) -> None:
+    """SIGINT drains the router: it stops listening at once (a client is refused until the new
+    one is up, and may retry), and every request it had taken, streaming or not, runs to its
+    end before it exits; then the new router serves. Requests of ~1 s (300 tokens at the
+    engines' real speed) are in flight when the signal comes."""
+    c = start_cluster(tmp_path, engines=2, prefill=1, time_scale=1.0)
+    try:
+        router = c.router_url
+        outcomes: list[str] = []
+
+        async def load() -> None:
+            stop = time.monotonic() + 10.0
+            clients = [_client(router, stop, outcomes, i, max_tokens=300) for i in range(4)]
+
+            async def restart() -> None:
+                await asyncio.sleep(3.0)
+                await asyncio.to_thread(restart_router, c)
+
+            await asyncio.gather(*clients, restart())
+
+        asyncio.run(load())
+        # Refused: the listening socket closed, or a 503 on a kept-alive connection.
+        refused = ("client error ClientConnectorError", "http 503")
+        late = [o for o in outcomes if o != "ok" and o not in refused]
+        assert not late, outcomes
+        assert outcomes.count("ok") >= 8, outcomes
+        log = proc(c, "router").log.read_text()
+        drained = [json.loads(line) for line in log.splitlines() if "router_drained" in line]
+        assert drained, "no drain logged"
+        assert drained[0]["in_flight"] == 0, drained
+        assert "router_stop_cut_requests" not in log
     finally:
         c.stop()
 

@@ -131,7 +131,8 @@ def test_the_next_prompt_carries_the_engines_answer() -> None:
     after = tokens.prompt(following, 7 * bs, "r#1")
     cached = prompt + list(output)  # what the decode engine holds after the first request
     assert after[: 5 * bs] == cached[: 5 * bs]
-    assert before[: 3 * bs] == after[: 3 * bs] and before[3 * bs :] != after[3 * bs :]
+    assert before[: 3 * bs] == after[: 3 * bs]
+    assert before[3 * bs :] != after[3 * bs :]
     assert after[5 * bs :] == before[5 * bs :]  # past the answer: the trace's own blocks
     # Another prompt holding those blocks (a fork of the next turn) gets the same tokens.
     fork = chain_hashes("ns", [BlockId(i) for i in (1, 2, 3, 4, 5, 9)])

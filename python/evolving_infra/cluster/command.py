@@ -46,6 +46,7 @@ from evolving_infra.engines.pool.errors import MooncakeMissingError
 from evolving_infra.engines.sim.command import check_deployment
 from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.ports import LOOPBACK, PortInUseError, check_listen, free_ports, port_taken
+from evolving_infra.router.config import DEFAULT_SHUTDOWN_TIMEOUT
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "cluster"
@@ -245,6 +246,7 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
             # streams can take it in between.
             router_port = args.router_port or free_ports(1)[0]
             router_proc = cluster.spawn("router", [*router_args, "--port", str(router_port)])
+            router_proc.stop_timeout_s = DEFAULT_SHUTDOWN_TIMEOUT + 15.0  # its drain, then exit
             cluster.router_url = f"http://127.0.0.1:{router_port}"
             try:
                 wait_healthy(cluster, f"{cluster.router_url}/health", "the router", router_proc.log)
@@ -288,6 +290,10 @@ def run(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
+        if stopping:  # a second Ctrl-C: the router cuts its drain short
+            for p in cluster.procs:
+                if p.name == "router":
+                    p.interrupt()
         stopping = True
 
     cluster = up(args, console)  # its errors are reported by cli.main
@@ -301,7 +307,10 @@ def run(args: argparse.Namespace) -> int:
             else:
                 supervisor.poll()
             time.sleep(0.5)
-        console.print("stopping: router, engines, pool master")
+        console.print(
+            "stopping: the router lets its requests finish (Ctrl-C again cuts them), then"
+            " engines, pool master"
+        )
     finally:
         cluster.stop()
         if supervisor is not None and supervisor.restarts:

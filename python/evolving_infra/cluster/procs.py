@@ -31,6 +31,8 @@ class Proc:
     args: list[str]
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    # How long `wait` gives it to exit after `interrupt` (the router drains its requests first).
+    stop_timeout_s: float = 15.0
 
     def start(self) -> None:
         with self.log.open("ab") as out:
@@ -51,13 +53,14 @@ class Proc:
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGINT)
 
-    def wait(self, timeout_s: float = 15.0) -> None:
-        """Waits for the exit; kills the process if it takes longer than `timeout_s`."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Waits for the exit; kills the process if it takes longer than `timeout_s` (default:
+        its `stop_timeout_s`)."""
         p = self.popen
         if p is None:
             return
         try:
-            p.wait(timeout_s)
+            p.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

@@ -7,9 +7,10 @@ Definitions (the `--json` summary's keys):
   Of the failed, answered before admission: `shed`, refused at once for overload (`429`: no
   engine saw them, the client may retry after `Retry-After`); `rejected`, refused as the
   client's mistake (another 4xx, e.g. `400 context_length_exceeded`: a prompt no engine holds);
-  `unreachable`, never sent (the router could not be reached, e.g. while it restarts). The rest,
-  `failed_late`, failed after the router admitted them: the figure overload handling and fault
-  tolerance drive to zero (an engine killed under them is the one cause left).
+  `unreachable`, never taken (the router could not be reached, e.g. while it restarts, or
+  answered `503 shutting_down` while it drained for a stop: it asks for the request again).
+  The rest, `failed_late`, failed after the router admitted them: the figure overload handling
+  and fault tolerance drive to zero (an engine killed under them is the one cause left).
 - `unissued`: requests the closed loop made ready but the run stopped (duration) before sending.
 - `requests_per_s`, `output_tokens_per_s`: completed requests and their output tokens over the
   wall time from the run's start to the end of its drain (`elapsed_s`).
@@ -40,6 +41,8 @@ from evolving_infra.workloads.stats import percentile
 SHED_PREFIX = "http_429:"
 # ... of one it could not reach at all (`replay.client`).
 CONNECTION_REFUSED = "connection_refused"
+# ... of one a draining router did not take (`router.server.Drain`: 503 shutting_down).
+SHUTTING_DOWN = "http_503:shutting_down"
 
 
 def before_admission(reason: str) -> str | None:
@@ -49,7 +52,7 @@ def before_admission(reason: str) -> str | None:
         return "shed"
     if reason.startswith("http_4"):
         return "rejected"
-    if reason == CONNECTION_REFUSED:
+    if reason in (CONNECTION_REFUSED, SHUTTING_DOWN):
         return "unreachable"
     return None
 

@@ -42,6 +42,7 @@ HEADERS_TOO_LARGE = "headers_too_large"
 BAD_HTTP = "bad_http"
 ENGINE_REJECTED = "engine_rejected"
 ENGINE_FAILED = "engine_failed"
+SHUTTING_DOWN = "shutting_down"  # 503 + Retry-After: the router drains for a stop or restart
 INTERNAL = "internal_error"
 
 _TYPES = {

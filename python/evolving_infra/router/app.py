@@ -246,9 +246,10 @@ class FrontEnd:
         self, request: web.Request, e: ApiError, headers: dict[str, str] | None = None
     ) -> web.Response:
         self.metrics.errors.labels(e.type, e.code).inc()
-        # A server fault is an error; a client's mistake or a shed request is the client's to act
-        # on, a warning here.
-        level = log.error if e.status >= 500 else log.warning
+        # A server fault is an error; a client's mistake, a shed request or one refused while
+        # the router drains is the client's to act on, a warning here.
+        fault = e.status >= 500 and e.code != api.SHUTTING_DOWN
+        level = log.error if fault else log.warning
         level("request failed", status=e.status, code=e.code, error=e.message, param=e.param)
         return _error_response(e, {**e.headers, **(headers or {})})
 

@@ -40,9 +40,18 @@ async def serve(cfg: config.RouterConfig) -> int:
         await daemon.stop()
         raise
     loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def on_signal() -> None:
+        # The first signal drains (requests in flight finish); a second cuts them now.
+        if stopping:
+            daemon.cut()
+        else:
+            stopping.append(loop.create_task(daemon.stop()))
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, lambda: loop.create_task(daemon.stop()))
+            loop.add_signal_handler(sig, on_signal)
     await daemon.wait()
     structlog.get_logger("evolving_infra.router").info("router_stopped", **_counts(daemon))
     return 0

@@ -39,9 +39,10 @@ DEFAULT_PLANNER_INTERVAL = 60.0
 # The longest a request waits for decode room before a 429: a minute is what an agent harness
 # waits on a slow turn without giving up; longer, and a client learns of overload too late.
 DEFAULT_MAX_QUEUE_WAIT = 60.0
-# A stopping router lets requests in flight finish this long: a restart should not wait out
-# minutes-long generations (their clients see an error and retry).
-DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # DESIGN §3: decisions every minute over a 10-minute window
+# A stopping router lets the requests it took finish this long (the drain, `server.Serving`):
+# the longest wait for decode room plus a long turn, so that a restart fails none of them; a
+# second Ctrl-C cuts them at once.
+DEFAULT_SHUTDOWN_TIMEOUT = DEFAULT_MAX_QUEUE_WAIT + 30.0
 LOG_LEVELS: tuple[Level, ...] = ("debug", "info", "warning", "error")
 
 
@@ -256,8 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=positive_seconds,
         default=DEFAULT_SHUTDOWN_TIMEOUT,
-        help="on SIGINT/SIGTERM, seconds requests in flight get to finish before they are cut"
-        f" (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+        help="on SIGINT/SIGTERM the router stops taking connections and gives the requests in"
+        " flight (those waiting for decode room too) this many seconds to finish before it"
+        f" cuts them; a second signal cuts them at once (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     parser.add_argument(
         "--planner-interval",

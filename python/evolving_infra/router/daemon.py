@@ -30,7 +30,6 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
-from aiohttp import web
 
 from evolving_infra._core import KvDirectory
 from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
@@ -47,7 +46,7 @@ from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.server import serve
+from evolving_infra.router.server import Serving, serve
 from evolving_infra.router.tokenize import load_tokenizer
 from evolving_infra.router.transport import HttpTransport
 from evolving_infra.routing.evolving import EvolvingRouter
@@ -188,7 +187,7 @@ class RouterDaemon:
         self.dispatcher: PdDispatcher | None = None
         self.planner: LivePlanner | None = None
         self.tracker = BranchTracker(self.directory, config.branch_ttl)
-        self.runner: web.AppRunner | None = None
+        self.serving: Serving | None = None
         self.port = 0
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -279,8 +278,8 @@ class RouterDaemon:
                 " use the engines (set --api-key or EVOLVING_INFRA_API_KEY)",
                 host=cfg.host,
             )
-        self.runner = await serve(app, cfg.host, cfg.port, cfg.shutdown_timeout)
-        addresses = self.runner.addresses
+        self.serving = await serve(app, cfg.host, cfg.port)
+        addresses = self.serving.addresses
         self.port = int(addresses[0][1]) if addresses else cfg.port
         # The fit and the planner's test import scipy on first use (~2 s): do it now, off the
         # event loop, rather than in the middle of a request's first sample.
@@ -480,14 +479,26 @@ class RouterDaemon:
     async def wait(self) -> None:
         await self._stopped.wait()
 
+    def cut(self) -> None:
+        """Ends a drain under way: the requests still in flight are cut (a second Ctrl-C)."""
+        if self.serving is not None:
+            self.serving.drain.cut()
+
     async def stop(self) -> None:
+        """Drains, then stops everything: the planner first (no phase switch while stopping),
+        then the requests in flight get `--shutdown-timeout` to finish while health checks and
+        hints go on (an engine that dies meanwhile still has its requests pulled back), then
+        the rest. `cut()` ends the drain early."""
+        planner = [t for t in self._tasks if t.get_name() == "planner"]
+        for t in planner:
+            t.cancel()
+        if self.serving is not None:
+            await self.serving.stop(self.config.shutdown_timeout)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        if self.runner is not None:
-            await self.runner.cleanup()
         if self._session is not None:
             await self._session.close()
         for ingestor in (self.events, self.samples):

@@ -11,11 +11,23 @@ with a connection handler whose `handle_error` answers parse errors as `api.ApiE
 aiohttp has no public hook for this: the handler class is swapped on the server the runner
 builds (`_JsonErrorServer`). tests/test_router_http_limits.py sends raw oversized requests, so
 an aiohttp whose internals moved fails there rather than in production.
+
+Stopping (`Serving.stop`) drains: the listening socket closes at once (a new client is refused
+and may try another replica, or again after the restart); a request that comes on a kept-alive
+connection meanwhile is answered `503 shutting_down` with `Retry-After` and `Connection:
+close` (closing idle connections instead would race the client's next request on them: it
+would see a dropped connection, not an answer); the requests in flight, those still waiting
+for decode room included, run to their end for up to the drain timeout; only what is left then
+is cut. A restart under load therefore fails none of the requests it had taken
+(`tests/test_faults.py`, `evolving-infra soak`'s router restart). `Drain.cut` ends the wait
+early (a second Ctrl-C).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -27,6 +39,10 @@ from evolving_infra.router import api
 from evolving_infra.router.api import ApiError
 
 log = structlog.get_logger("evolving_infra.router.server")
+
+# After the drain, what still runs is cut: aiohttp's own wait only has to let the cancellations
+# land (their handlers answer the client with an error event and return).
+CUT_GRACE_S = 1.0
 
 # Told of each request aiohttp could not parse (the error as answered), for metrics and logs.
 BadHttpHook = Callable[[ApiError], None]
@@ -85,17 +101,98 @@ class _Runner(web.AppRunner):
         return server
 
 
-async def serve(
-    app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0
-) -> web.AppRunner:
-    """Start `app` on host:port; the caller awaits forever, then `runner.cleanup()`, which
-    gives requests in flight `shutdown_timeout` seconds before cutting them."""
+# Paths a draining router still answers: the scrape sees the drain to its end.
+_WHILE_DRAINING = frozenset({"/metrics"})
+
+
+class Drain:
+    """The requests in flight, counted by a middleware, so that a stopping router can wait for
+    them to finish; once `draining`, new ones are refused with a 503."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._cut = asyncio.Event()
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        if self.draining and request.path not in _WHILE_DRAINING:
+            raise ApiError(
+                503,
+                "the router is shutting down: send the request again (to another replica, or"
+                " here once the router is back)",
+                code=api.SHUTTING_DOWN,
+                headers={"Retry-After": "1", "Connection": "close"},
+            )
+        self.active += 1
+        self._idle.clear()
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    def cut(self) -> None:
+        """Ends a drain now: what is still in flight is cut."""
+        self._cut.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until nothing is in flight, `timeout_s` have passed, or `cut()`."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._idle, self._cut)]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+
+@dataclass
+class Serving:
+    """The app on its socket; `stop` drains it (see the module docstring)."""
+
+    runner: web.AppRunner
+    drain: Drain = field(default_factory=Drain)
+
+    @property
+    def addresses(self) -> list[Any]:
+        return self.runner.addresses
+
+    async def stop(self, drain_s: float) -> int:
+        """Stops taking connections, gives the requests in flight up to `drain_s` seconds to
+        finish, then cuts the rest; returns how many were cut."""
+        self.drain.draining = True
+        for site in self.runner.sites:
+            await site.stop()
+        if self.drain.active:
+            log.info("router_draining", in_flight=self.drain.active, timeout_s=drain_s)
+            started = asyncio.get_running_loop().time()
+            await self.drain.wait(drain_s)
+            log.info(
+                "router_drained",
+                in_flight=self.drain.active,
+                seconds=round(asyncio.get_running_loop().time() - started, 2),
+            )
+        cut = self.drain.active
+        if cut:
+            log.warning("router_stop_cut_requests", in_flight=cut)
+        await self.runner.cleanup()
+        return cut
+
+
+async def serve(app: web.Application, host: str, port: int) -> Serving:
+    """Start `app` on host:port; the caller awaits forever, then `Serving.stop`."""
+    drain = Drain()
+    app.middlewares.append(drain.middleware)
     # handler_cancellation: a client that goes away cancels its handler, so dispatch stops at
     # once instead of at the next write. access_log=None: the middleware logs each request.
-    runner = _Runner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
-    )
+    runner = _Runner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("router listening", host=host, port=port)
-    return runner
+    return Serving(runner, drain)
