@@ -126,6 +126,10 @@ def test_pool_hit_on_a_node_that_never_computed_the_prefix(
 
             meta = await serve(b, ids)
             assert meta["cached_tokens"] == len(hashes) * PAGE == 100  # a pool hit
+            # Its bytes come beside the modelled fetch, counted once they are in.
+            counts = b.engine.pool.counters if b.engine.pool is not None else None
+            assert counts is not None
+            await until(lambda: counts.blocks_fetched == len(hashes), 5, "the hit's bytes")
             info_b = await pool_info(b)
             assert info_b["hit_requests"] == 1
             assert info_b["blocks_fetched"] == len(hashes)

@@ -24,13 +24,16 @@ flips in place, keeping its KV unless asked not to. Durations in results are sim
 Shared L2 pool (`settings.pool`, pool.py): the node's L2 blocks are also put in a Mooncake pool,
 and a prefill request's blocks past this node's L1/L2 are looked up and fetched there before it
 is queued; they count as pool hits in the simulator's `Node.reach`. A PD hand-off's blocks
-really travel through the pool (the room is ready once they are in it; the decode side fetches
-them while the simulated transfer time passes), as do `TransferKV`s from the pool.
+really travel through the pool, beside the modelled transfer and never delaying the request
+(the prefill side puts them after answering the room; the decode side fetches them while the
+transfer time passes, and releases the room once they are in), as do `TransferKV`s from the
+pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -113,6 +116,9 @@ class _Room:
     # handshake), and only then does the prefill run, so prefill pins never wait on a decode
     # engine that has no room for them (the two filled each other up: a PD deadlock).
     claimed: asyncio.Event = field(default_factory=asyncio.Event)
+    # With a pool: the prefill side's `offer` of the prompt's blocks, under way from the end of
+    # the prefill (`GET /_sim/kv/{room}/blocks` awaits it).
+    offered: asyncio.Task[list[int] | None] | None = None
 
 
 class EngineCore:
@@ -416,14 +422,21 @@ class EngineCore:
             seconds = self.settings.transfer_latency + moved * self.kv_bytes_per_token / (
                 self.kv_bandwidth
             )
-            wait = asyncio.sleep(self.env.real_seconds(seconds))
-            if self.pool is None or "pool_blocks" not in body:
-                await wait
-            else:  # the real copy overlaps the simulated time: it is reported, not charged
-                copy = self.pool.fetch_transfer(body["pool_blocks"], sim.hashes[sim.h_d :])
-                await asyncio.gather(wait, copy)
-            async with http.post(base + "/release") as r:
-                await r.read()
+            copy = None
+            if self.pool is not None and body.get("pool"):
+                copy = self.loop.create_task(self._copy(base, sim.hashes[sim.h_d :]))
+            await asyncio.sleep(self.env.real_seconds(seconds))
+            if copy is None or copy.done():
+                if copy is not None:
+                    await copy
+                async with http.post(base + "/release") as r:
+                    await r.read()
+            else:
+                # The modelled transfer is over: the request goes on; the real copy through
+                # the pool is reported, not charged, and the room is released after it.
+                assert self.pool is not None
+                self.pool.counters.transfer_copies_late += 1
+                live.task = self.loop.create_task(self._release_after(copy, base))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # whatever went wrong, the request fails and its KV is freed
@@ -434,6 +447,34 @@ class EngineCore:
         if body.get("first_token") is not None:
             live.planned[0] = int(body["first_token"])
         self._arrive(sim)
+
+    async def _copy(self, base: str, need: list[int]) -> None:
+        """The real side of a PD hand-off through the pool: the blocks the prefill side offers
+        (asked for once its puts are done), fetched where this engine lacks them."""
+        assert self.pool is not None
+        assert self._http is not None
+        poll = {"timeout": str(self.settings.kv_hold_real_s)}
+        try:
+            async with self._http.get(base + "/blocks", params=poll) as r:
+                body = await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            body = None
+            log.warning("pool_transfer_blocks_unknown", room=base, error=str(e))
+        offered = body.get("pool_blocks") if isinstance(body, dict) else None
+        await self.pool.fetch_transfer(offered, need)  # never raises: a failure is counted
+
+    async def _release_after(self, copy: asyncio.Task[None], base: str) -> None:
+        """Releases a room once the real copy of its blocks is done (or failed: the request
+        already has its KV in the model, so nothing here may fail it)."""
+        with contextlib.suppress(Exception):
+            await copy
+        if self._http is None:
+            return
+        try:
+            async with self._http.post(base + "/release") as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:  # the prefill side's hold expires it
+            log.warning("kv_release_failed", room=base, error=str(e))
 
     def _abort_admitted(self, live: LiveRequest, error: GenerateError) -> None:
         """Undoes a decode admission whose KV never came (the inverse of `Node.offer`'s
@@ -466,10 +507,13 @@ class EngineCore:
             answer = {"room": live.bootstrap.room, "prompt_tokens": req.prompt_tokens,
                       "cached_tokens": live.cached_tokens, "first_token": live.planned[0],
                       "blocks": len(req.hashes), "node_id": self.settings.node_id}  # fmt: skip
-            if self.pool is None:
-                self._room_ready(answer)
-            else:  # ready once the blocks are in the pool for the decode side (pool.py)
-                live.task = self.loop.create_task(self._room_ready_after_pool(live, answer))
+            if self.pool is not None:
+                # The blocks follow through the pool, alongside the modelled transfer: the
+                # decode side asks for them (`wait_offered`) while its transfer time passes.
+                answer["pool"] = True
+                room = self._rooms[live.bootstrap.room]
+                room.offered = self.loop.create_task(self._offer(live))
+            self._room_ready(answer)
             return
         # Mixed: its own decode. The prefill's pins go first (an unpin touches the chain and
         # would undo the decode's pin), the queue is kicked once the decode holds its KV.
@@ -484,17 +528,27 @@ class EngineCore:
         room.ready.set_result(answer)
         room.hold = self.loop.call_later(self.settings.kv_hold_real_s, self._hold_expired, room_id)
 
-    async def _room_ready_after_pool(self, live: LiveRequest, answer: dict[str, Any]) -> None:
+    async def _offer(self, live: LiveRequest) -> list[int] | None:
+        """Puts the prompt's blocks in the pool for the decode side (`EnginePool.offer`); None
+        when that failed (the hand-off is then the modelled one alone)."""
         assert self.pool is not None
         try:
-            answer["pool_blocks"] = await self.pool.offer(live.sim.id, live.sim.hashes)
-        except Exception:  # a bug there must not strand the room: simulated time only
+            return await self.pool.offer(live.sim.id, live.sim.hashes)
+        except Exception:  # a bug there must not strand the decode side: modelled time only
             log.exception("pool_offer_failed")
-            answer["pool_blocks"] = None
-        if self._by_sim.get(live.sim.id) is live:
-            self._room_ready(answer)
-        else:  # failed meanwhile (the engine is closing): no decode side will release it
-            self.pool.release(live.sim.id)
+            return None
+
+    async def wait_offered(self, room_id: int, timeout_real_s: float) -> list[int] | None:
+        """The `GET /_sim/kv/{room}/blocks` long poll: the blocks the decode side may fetch
+        from the pool once the offer is done; None when there are none (no pool, the offer
+        failed, or the room is gone)."""
+        room = self._rooms.get(room_id)
+        if room is None or room.offered is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(room.offered), timeout_real_s)
+        except TimeoutError:
+            return None
 
     def _hold_expired(self, room_id: int) -> None:
         error = GenerateError(f"room {room_id}: no decode engine pulled the KV in time", 504)

@@ -13,9 +13,10 @@
   `<|assistant|>\\n`) and tokenized as bytes, like the router's fallback tokenizer.
 - `GET /health` (200 while serving, else 503), `GET /server_info` (and the deprecated
   `/get_server_info`), `GET /v1/models`.
-- `GET /_sim/kv/{room}?timeout=S` and `POST /_sim/kv/{room}/release`: the simulated KV
-  bootstrap between a prefill and a decode engine (see `core.py`); the prefill engine's
-  bootstrap port is its HTTP port.
+- `GET /_sim/kv/{room}?timeout=S`, `GET /_sim/kv/{room}/blocks?timeout=S` (with a pool: the
+  blocks offered there) and `POST /_sim/kv/{room}/release`: the simulated KV bootstrap between
+  a prefill and a decode engine (see `core.py`); the prefill engine's bootstrap port is its
+  HTTP port.
 Errors are `{"error": {"message"}}` with status 400 (bad input), 503 (overloaded or draining:
 retry elsewhere), 502/504 (the KV pull failed); a handler's bug is a 500, never a dead server.
 """
@@ -323,6 +324,17 @@ async def kv_poll(request: web.Request) -> web.Response:
     return web.json_response(await request.app[ENGINE].wait_prefilled(_room(request), timeout))
 
 
+async def kv_blocks(request: web.Request) -> web.Response:
+    try:
+        timeout = float(request.query.get("timeout", "60"))
+    except ValueError:
+        raise BadRequestError("timeout must be a number of seconds") from None
+    if not 0 < timeout <= 3600:
+        raise BadRequestError("timeout must be in (0, 3600] seconds")
+    blocks = await request.app[ENGINE].wait_offered(_room(request), timeout)
+    return web.json_response({"pool_blocks": blocks})
+
+
 async def kv_release(request: web.Request) -> web.Response:
     released = request.app[ENGINE].release_room(_room(request))
     return web.json_response({"released": released}, status=200 if released else 404)
@@ -340,5 +352,6 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/get_server_info", server_info)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/_sim/kv/{room}", kv_poll)
+    app.router.add_get("/_sim/kv/{room}/blocks", kv_blocks)
     app.router.add_post("/_sim/kv/{room}/release", kv_release)
     return app

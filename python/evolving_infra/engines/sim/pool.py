@@ -22,12 +22,17 @@ process: pyzmq and the Mooncake store cannot share the engine's process, docs/po
   `NodeKv`, so it emits no KV events and changes none of the node's counts.
 - **PD hand-offs through the store.** When a PD prefill is done, `offer` puts the prompt's
   blocks that are not in the pool yet (real payload size over `scale`) as *transfer objects*
-  under the same keys as L2 blocks, and the room's answer names them; the decode side's
+  under the same keys as L2 blocks, and names them to the decode side, whose
   `fetch_transfer` really pulls them into its worker while the simulator's transfer time
-  passes. The prefill side's `release` (the room released) drops the objects through the same
-  flusher and lease-retry path as an L2 drop, unless the block is in this node's L2 by then.
+  passes, never delaying it. The prefill side's `release` (the room released) drops the
+  objects through the same flusher and lease-retry path as an L2 drop, unless the block is in
+  this node's L2 by then.
   Open transfers count references per block: the flusher never removes a block one of them
   still needs. `fetch_chain` serves `TransferKV` from the pool the same way as a pool hit.
+- **Real copies never stretch the modelled time.** A pool hit's or a transfer's count comes
+  from a metadata lookup (`exists`); its bytes are fetched beside the modelled fetch and
+  counted when in (`blocks_fetched`, `transfer_blocks_fetched`): the simulator charges the
+  model's time, and the live engines it is compared with must too (`evolving-infra parity`).
 - **Failures never reach the engine.** Any `PoolError` is logged and counted; a dead worker or
   master marks the pool down (lookups miss at once, nothing is queued) and a reconnect is tried
   with a growing back-off; once back, the blocks the node still holds in L2 are put again.
@@ -134,6 +139,9 @@ class PoolCounters:
     transfer_bytes_fetched: int = 0
     transfer_fetch_real_s: float = 0.0  # wall time of those fetches: reported, never charged
     transfer_fallbacks: int = 0  # a put or fetch failed: the simulated-time-only path
+    # Decode side: hand-offs whose real copy outlasted the modelled transfer (the request went
+    # on at the modelled time; its room was released after the copy).
+    transfer_copies_late: int = 0
 
 
 def _leading(flags: Sequence[bool]) -> int:
@@ -334,33 +342,56 @@ class EnginePool:
 
     async def lookup(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` (the prompt's blocks after what the node holds)
-        were in the pool and really fetched into this engine's worker; 0 on any failure."""
+        are in the pool; 0 on any failure. Their bytes are fetched into this engine's worker
+        beside the modelled fetch, never delaying the request (`_fetch_beside`)."""
         if self.client is None or not hashes:
             return 0
         self.counters.lookups += 1
-        run = await self._fetch_run("lookup", hashes)
-        n, nbytes = run or (0, 0)
+        n = await self._found("lookup", hashes) or 0
         if n:
             self.counters.hit_requests += 1
-            self.counters.blocks_fetched += n
-            self.counters.bytes_fetched += nbytes
+            self._spawn(self._fetch_beside("lookup", list(hashes[:n]), transfer=False))
         return n
 
-    async def _fetch_run(self, op: str, hashes: Sequence[int]) -> tuple[int, int] | None:
-        """Blocks and bytes of the leading run of `hashes` found in the pool and really fetched
-        into this engine's worker; None when the pool is down or failed."""
+    async def _found(self, op: str, hashes: Sequence[int]) -> int | None:
+        """The leading run of `hashes` the pool holds (a metadata call); None when the pool is
+        down or failed."""
         client = self.client
         if client is None:
             return None
         try:
-            found = _leading(await client.exists(hashes))
-            sizes = await client.fetch_batch(hashes[:found]) if found else []
+            return _leading(await client.exists(list(hashes)))
         except PoolError as e:
             self._failed(op, e)
             return None
-        # Missing and failed transfers both read as None (docs/pool.md): the run stops there.
+
+    async def _fetch_beside(self, op: str, hashes: list[int], *, transfer: bool) -> None:
+        """Really fetches blocks `_found` found, while the node model charges their modelled
+        fetch time: the real copy is counted and timed, never waited for (on a small machine
+        the stand-in copies cost more than the modelled ones and would stretch every hit).
+        Missing and failed transfers both read as None (docs/pool.md): counted as a fallback."""
+        client = self.client
+        if client is None:
+            return
+        started = time.perf_counter()
+        try:
+            sizes = await client.fetch_batch(hashes)
+        except PoolError as e:
+            self._failed(op, e)
+            self._fallback(op, self.last_error)
+            return
         n = _leading([s is not None for s in sizes])
-        return n, sum(s or 0 for s in sizes[:n])
+        nbytes = sum(s or 0 for s in sizes[:n])
+        c = self.counters
+        if transfer:
+            c.transfer_fetch_real_s += time.perf_counter() - started
+            c.transfer_blocks_fetched += n
+            c.transfer_bytes_fetched += nbytes
+        else:
+            c.blocks_fetched += n
+            c.bytes_fetched += nbytes
+        if n < len(hashes):
+            self._fallback(op, f"{len(hashes) - n} of {len(hashes)} blocks gone after the lookup")
 
     def hold(self, req_id: int, hashes: Sequence[int], start: int, n: int) -> None:
         """Registers `hashes[start:start+n]` (fetched by request `req_id`) as held in L2 by the
@@ -431,6 +462,9 @@ class EnginePool:
             self._failed("offer", e)
             why = self.last_error
         else:
+            if req_id not in self._offered:  # released while the puts ran: nobody fetches
+                self._drop_unneeded(todo)
+                return None
             self.counters.transfers_offered += 1
             self.counters.transfer_blocks_shared += len(blocks) - len(todo)
             return blocks
@@ -487,20 +521,17 @@ class EnginePool:
 
     async def fetch_chain(self, hashes: Sequence[int]) -> int | None:
         """`TransferKV` from the pool (or a node's L2 kept there): how many leading blocks of
-        `hashes` were found and really fetched, as for a pool hit; None when the pool is down
-        or failed (the caller falls back to what the request vouches for)."""
+        `hashes` the pool holds, their bytes fetched beside the modelled transfer as for a pool
+        hit; None when the pool is down or failed (the caller falls back to what the request
+        vouches for)."""
         if not hashes:
             return 0
-        started = time.perf_counter()
-        run = await self._fetch_run("transfer_kv", hashes)
-        if run is None:
+        n = await self._found("transfer_kv", hashes)
+        if n is None:
             self._fallback("transfer_kv", self.last_error or "the pool is down")
             return None
-        n, nbytes = run
-        c = self.counters
-        c.transfer_fetch_real_s += time.perf_counter() - started
-        c.transfer_blocks_fetched += n
-        c.transfer_bytes_fetched += nbytes
+        if n:
+            self._spawn(self._fetch_beside("transfer_kv", list(hashes[:n]), transfer=True))
         return n
 
     # -- views --------------------------------------------------------------------------------
