@@ -218,6 +218,59 @@ def test_a_router_restarted_under_load_finishes_every_request_it_took(tmp_path: 
         c.stop()
 
 
+def test_a_decode_engine_killed_mid_stream_hands_its_streams_on(tmp_path: Path) -> None:
+    """SIGKILL of the decode engine a streaming request is on, after it has streamed part of its
+    answer: the router migrates the request (its prompt and the tokens streamed so far, to the
+    other decode engine), and the client's stream goes on to the last token, unbroken, with
+    usage counting all of them. 400 tokens at the engines' real speed take ~5 s."""
+    c = start_cluster(tmp_path, engines=3, prefill=1, time_scale=1.0)
+    try:
+        router = c.router_url
+        before = metrics(router).get(("evolving_request_migrations_total", ()), 0.0)
+
+        def decoding(node: int) -> float:
+            key = ("evolving_engine_decode_requests", (("node", str(node)),))
+            return metrics(router).get(key, 0.0)
+
+        async def run() -> tuple[str, dict[str, object], list[int]]:
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 400, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            text, usage, killed = "", {}, []
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(f"{router}/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    assert "error" not in chunk, chunk
+                    for choice in chunk.get("choices") or ():
+                        text += choice.get("text") or ""
+                    usage = chunk.get("usage") or usage
+                    on = [n for n in (1, 2) if decoding(n) > 0] if len(text) >= 50 else []
+                    if not killed and len(on) == 1:  # the decode engine it is on
+                        node = on[0]
+                        victim = proc(c, f"engine-{node}")
+                        c.procs.remove(victim)  # out of the cluster's watch: killed on purpose
+                        assert victim.popen is not None
+                        victim.popen.kill()
+                        victim.popen.wait()
+                        killed.append(node)
+            return text, usage, killed
+
+        text, usage, killed = asyncio.run(run())
+        assert killed, "never streamed 50 tokens"
+        assert usage["completion_tokens"] == 400, usage
+        assert len(text) == 400  # the byte tokenizer: one character a token
+        after = metrics(router).get(("evolving_request_migrations_total", ()), 0.0)
+        assert after == before + 1
+    finally:
+        c.stop()
+
+
 def test_router_started_with_an_engine_down_takes_it_when_it_answers(tmp_path: Path) -> None:
     c = start_cluster(tmp_path, engines=3, prefill=1)
     try:

@@ -139,7 +139,7 @@ def test_oversized_headers_and_urls_get_openai_shaped_errors_and_are_counted() -
         tracker = BranchTracker(KvDirectory(), ttl=3600.0)
         app = build_app(EchoDispatcher(), tracker, ByteTokenizer(), metrics, page_size=PAGE)
         (port,) = free_ports(1)
-        runner = await serve(app, LOOPBACK, port)
+        serving = await serve(app, LOOPBACK, port)
         try:
             big = "a" * 9000
             cases = [
@@ -168,6 +168,6 @@ def test_oversized_headers_and_urls_get_openai_shaped_errors_and_are_counted() -
             }
             assert counted == {(api.HEADERS_TOO_LARGE, 2.0), (api.BAD_HTTP, 1.0)}
         finally:
-            await runner.cleanup()
+            await serving.stop(drain_s=1.0)
 
     asyncio.run(main())

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evolving_infra.argtypes import port, positive_int, positive_seconds, secret
+from evolving_infra.argtypes import natural_int, port, positive_int, positive_seconds, secret
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.logs import Level
 from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
@@ -39,6 +39,10 @@ DEFAULT_PLANNER_INTERVAL = 60.0
 # The longest a request waits for decode room before a 429: a minute is what an agent harness
 # waits on a slow turn without giving up; longer, and a client learns of overload too late.
 DEFAULT_MAX_QUEUE_WAIT = 60.0
+# A request survives this many decode engines dying under it (`PdDispatcher`'s migration).
+# Dynamo's frontend ships --migration-limit 0 (off); here one, so that a crashed engine fails
+# none of the streams it carried (the soak's engine kill).
+DEFAULT_MIGRATION_LIMIT = 1
 # A stopping router lets the requests it took finish this long (the drain, `server.Serving`):
 # the longest wait for decode room plus a long turn, so that a restart fails none of them; a
 # second Ctrl-C cuts them at once.
@@ -95,6 +99,7 @@ class RouterConfig:
     control_api_key: str | None = None  # sent to the engines' EngineControl services
     max_queue_wait: float = DEFAULT_MAX_QUEUE_WAIT
     context_length: int | None = None  # None: the model's, when the router knows the model
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT  # broken decode streams a request survives
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -121,6 +126,7 @@ class RouterConfig:
             shutdown_timeout=args.shutdown_timeout,
             max_queue_wait=args.max_queue_wait,
             context_length=args.context_length,
+            migration_limit=args.migration_limit,
             control_api_key=secret(args.control_api_key, CONTROL_API_KEY_ENV),
             api_keys=ApiKeys(
                 data=secret(args.api_key, API_KEY_ENV),
@@ -228,6 +234,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="never ask a prefill engine to pull a cached prefix another node holds (EngineControl"
         " TransferKV) before its prefill; it then computes what it does not hold itself or find"
         " in the pool",
+    )
+    parser.add_argument(
+        "--migration-limit",
+        type=natural_int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        help="how many times a request whose decode engine breaks its stream mid-way (a crash)"
+        " goes on on another decode engine, from the prompt and the tokens already streamed,"
+        " the client's stream unbroken (Dynamo's --migration-limit); 0: it ends with an"
+        f" engine_failed error event (default: {DEFAULT_MIGRATION_LIMIT})",
     )
     parser.add_argument(
         "--max-queue-wait",

@@ -248,6 +248,7 @@ class RouterDaemon:
             admission=cfg.admission,
             context_length=cfg.context_length or (known.context_length if known else None),
             max_queue_wait_s=cfg.max_queue_wait,
+            migration_limit=cfg.migration_limit,
             # The planner's map of control clients: the same dict, kept current as engines join.
             puller=ControlPuller(self.planner.clients) if cfg.kv_pull else None,
         )

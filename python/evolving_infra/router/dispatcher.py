@@ -139,6 +139,16 @@ class EngineFailedError(DispatchError):
         self.status = 503 if unavailable else 502
 
 
+class BrokenStreamError(EngineFailedError):
+    """A decode stream that broke after it had streamed (its engine crashed): `output_ids` are
+    the tokens it had generated, as its last chunk said them (empty when it did not), so that
+    the request can go on elsewhere from there (`PdDispatcher`'s migration)."""
+
+    def __init__(self, reason: str, *, node: int, output_ids: tuple[int, ...]) -> None:
+        super().__init__(reason, node=node)
+        self.output_ids = output_ids
+
+
 class Dispatcher(Protocol):
     def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         """Run the request: `TextPiece`s, then one `Finished`; or raise a `DispatchError`."""

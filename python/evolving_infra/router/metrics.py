@@ -294,6 +294,12 @@ class RouterMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        self.migrations = Counter(
+            "evolving_request_migrations",
+            "Requests whose decode stream broke mid-way (an engine crashed) and that went on on"
+            " another decode engine from the tokens already streamed",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "evolving_prompt_tokens", "Prompt tokens of dispatched requests", registry=r
         )
@@ -361,3 +367,6 @@ class _MetricsFeed(DispatchObserver):
 
     def admitted(self, held_s: float) -> None:
         self.metrics.admission_wait.observe(held_s)
+
+    def migrated(self, tokens: int) -> None:
+        self.metrics.migrations.inc()

@@ -36,6 +36,9 @@ class DispatchObserver:
     def admitted(self, held_s: float) -> None:
         """How long the decode-KV gate held a request."""
 
+    def migrated(self, tokens: int) -> None:
+        """A request whose decode stream broke went on elsewhere after `tokens` output tokens."""
+
 
 class Observers(DispatchObserver):
     """Tells each of `observers`, in order."""
@@ -64,6 +67,10 @@ class Observers(DispatchObserver):
     def admitted(self, held_s: float) -> None:
         for o in self.observers:
             o.admitted(held_s)
+
+    def migrated(self, tokens: int) -> None:
+        for o in self.observers:
+            o.migrated(tokens)
 
 
 class PlannerFeed(DispatchObserver):

@@ -21,8 +21,12 @@ stream ends.
 
 Failures: an engine that cannot be reached, or whose stream breaks before its first token (a
 crashed engine), is marked down and the request is tried once more on other nodes, as long as
-no token has reached the client; after that, or on an engine error answer, the request fails
-with `EngineFailedError` (an SSE error event when streaming).
+no token has reached the client. A decode stream that breaks after it streamed migrates (as
+Dynamo's frontend does with --migration-limit): the request goes on as a new one whose prompt
+is the old prompt and the tokens streamed so far, with the output budget left, placed like any
+other (its prefix is cached on the prefill side), and the client's stream goes on unbroken;
+its usage counts every token. Beyond `migration_limit` such breaks, or on an engine error
+answer, the request fails with `EngineFailedError` (an SSE error event when streaming).
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ from typing import Any
 
 import structlog
 
-from evolving_infra._core import KvDirectory
+from evolving_infra._core import KvDirectory, block_hashes
 from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.dispatcher import (
+    BrokenStreamError,
     DispatcherHealth,
     EngineFailedError,
     Finished,
@@ -99,6 +104,7 @@ class PdDispatcher:
         seed: int | None = None,
         admission: bool = True,
         puller: KvPuller | None = None,
+        migration_limit: int = 1,
     ) -> None:
         """`registry`: the engines and their loads; `transport`: how requests reach them
         (`transport.HttpTransport` for SGLang's HTTP API); `observer`: who hears of each
@@ -106,7 +112,9 @@ class PdDispatcher:
         `context_length`: the model's (None: only the engines' KV bounds a request);
         `max_queue_wait_s`: the longest a request may wait for decode room, predicted or held,
         before it is refused with a 429 (`admission.DecodeGate`); `puller`: moves a cached
-        prefix another node holds to the chosen prefill engine (`kvpull.py`; None: never)."""
+        prefix another node holds to the chosen prefill engine (`kvpull.py`; None: never);
+        `migration_limit`: broken decode streams a request goes on after (the module
+        docstring)."""
         self.registry = registry
         self.directory = directory
         self.router = router
@@ -117,6 +125,7 @@ class PdDispatcher:
         self.default_max_tokens = default_max_tokens
         self.context_length = context_length
         self.puller = puller
+        self.migration_limit = migration_limit
         self._rng = random.Random(seed)
         # Requests in flight per engine (their tasks), so that an engine found dead can have
         # its requests pulled back at once instead of at their timeouts.
@@ -237,6 +246,48 @@ class PdDispatcher:
         return blocks_for(route.prompt_tokens + route.expected_output_tokens, self.page_size)
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
+        original = request
+        streamed = 0  # output tokens the client has from attempts whose stream broke
+        for migration in range(self.migration_limit + 1):
+            try:
+                async for event in self._generate(request):
+                    if isinstance(event, Finished) and streamed:
+                        # The client's usage: every token; cached, at most its own prompt (the
+                        # continuation's prompt is the client's and the tokens streamed).
+                        c = event.cached_tokens
+                        event = Finished(
+                            event.finish_reason,
+                            event.completion_tokens + streamed,
+                            None if c is None else min(c, len(original.token_ids)),
+                        )
+                    yield event
+                return
+            except BrokenStreamError as e:
+                budget = self._max_out(request) - len(e.output_ids)
+                if migration == self.migration_limit or not e.output_ids or budget < 1:
+                    raise
+                streamed += len(e.output_ids)
+                request = self._continuation(request, e.output_ids, budget)
+                self.observer.migrated(streamed)
+                log.warning(
+                    "request_migrated", request=request.request_id, down=e.node, tokens=streamed
+                )
+
+    def _continuation(
+        self, req: PreparedRequest, output: tuple[int, ...], budget: int
+    ) -> PreparedRequest:
+        """`req` gone on after `output`: its prompt and `output` as the prompt, `budget` tokens
+        left to generate."""
+        ids = req.token_ids + output
+        return dataclasses.replace(
+            req,
+            token_ids=ids,
+            block_hashes=tuple(block_hashes(list(ids), self.page_size)),
+            sampling=dataclasses.replace(req.sampling, max_tokens=budget),
+            arrival=time.monotonic(),  # the router's own time is counted from here
+        )
+
+    async def _generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
         held_s = 0.0
         decode: int | None = None
         # Built once: the gate's decode choice and the placement read the same request.

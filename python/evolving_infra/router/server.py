@@ -13,14 +13,15 @@ builds (`_JsonErrorServer`). tests/test_router_http_limits.py sends raw oversize
 an aiohttp whose internals moved fails there rather than in production.
 
 Stopping (`Serving.stop`) drains: the listening socket closes at once (a new client is refused
-and may try another replica, or again after the restart); a request that comes on a kept-alive
-connection meanwhile is answered `503 shutting_down` with `Retry-After` and `Connection:
-close` (closing idle connections instead would race the client's next request on them: it
-would see a dropped connection, not an answer); the requests in flight, those still waiting
-for decode room included, run to their end for up to the drain timeout; only what is left then
-is cut. A restart under load therefore fails none of the requests it had taken
-(`tests/test_faults.py`, `evolving-infra soak`'s router restart). `Drain.cut` ends the wait
-early (a second Ctrl-C).
+and may try another replica, or again after the restart); the requests in flight, those still
+waiting for decode room included, run to their end for up to the drain timeout, and only what
+is left then is cut. A request that comes on a kept-alive connection meanwhile is answered
+`503 shutting_down` with `Retry-After` and `Connection: close`, as is every answer that was
+not streamed; after the drain the router goes on answering so for `LINGER_S` before it closes
+the connections left (closing a kept-alive connection under a client races its next request
+on it: the client sees a dropped connection, not an answer). A restart under load therefore
+fails none of the requests it had taken (`tests/test_faults.py`, `evolving-infra soak`'s
+router restart). `Drain.cut` ends the wait early (a second Ctrl-C).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from evolving_infra.router.api import ApiError
 
 log = structlog.get_logger("evolving_infra.router.server")
 
+# After the drain, how long new requests on kept-alive connections are still answered (503)
+# before the connections close: a closed-loop client sends its next request at once.
+LINGER_S = 0.5
 # After the drain, what still runs is cut: aiohttp's own wait only has to let the cancellations
 # land (their handlers answer the client with an error event and return).
 CUT_GRACE_S = 1.0
@@ -121,17 +125,26 @@ class Drain:
         self, request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
         if self.draining and request.path not in _WHILE_DRAINING:
-            raise ApiError(
+            error = ApiError(
                 503,
                 "the router is shutting down: send the request again (to another replica, or"
                 " here once the router is back)",
                 code=api.SHUTTING_DOWN,
-                headers={"Retry-After": "1", "Connection": "close"},
             )
+            refused = web.json_response(
+                error.body(), status=error.status, headers={"Retry-After": "1"}
+            )
+            refused.force_close()  # `Connection: close`: the client's next request reconnects
+            return refused
         self.active += 1
         self._idle.clear()
         try:
             response: web.StreamResponse = await handler(request)
+            if self.draining and not response.prepared:
+                # `Connection: close`: the client's next request reconnects rather than go on
+                # a connection about to close. (A stream has said keep-alive already: its
+                # client's next request gets the 503 above, which closes it.)
+                response.force_close()
             return response
         finally:
             self.active -= 1
@@ -181,6 +194,8 @@ class Serving:
         cut = self.drain.active
         if cut:
             log.warning("router_stop_cut_requests", in_flight=cut)
+        else:
+            await asyncio.sleep(LINGER_S)
         await self.runner.cleanup()
         return cut
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from evolving_infra.router.dispatcher import (
+    BrokenStreamError,
     EngineFailedError,
     EngineRejectedError,
     Finished,
@@ -130,12 +131,14 @@ class HttpTransport:
         self, engine: EngineHandle, body: bytes
     ) -> AsyncGenerator[GenerationEvent, None]:
         text, tokens = "", 0
+        last = b""  # the latest chunk as sent: its cumulative output ids, should the stream break
         post = self._post(engine, body)
         del body  # `post` sends it and lets it go
         async with post as resp:
             await self._check(engine, resp)
             try:
-                async for chunk in _sse(resp):
+                async for chunk, raw in _sse(resp):
+                    last = raw
                     if chunk.get("error"):
                         raise EngineFailedError(
                             f"engine {engine.node}: {chunk['error']}", node=engine.node
@@ -163,8 +166,10 @@ class HttpTransport:
                     # Nothing reached the client yet (an engine that crashed, typically): the
                     # request can start over on another node.
                     raise UnreachableError(engine, f"broke the stream: {e}") from None
-                raise EngineFailedError(
-                    f"engine {engine.node} broke the stream: {e}", node=engine.node
+                raise BrokenStreamError(
+                    f"engine {engine.node} broke the stream: {e}",
+                    node=engine.node,
+                    output_ids=_output_ids(last, tokens),
                 ) from None
         raise EngineFailedError(f"engine {engine.node} ended the stream early", node=engine.node)
 
@@ -236,8 +241,9 @@ class _Request:
             self.resp.release()
 
 
-async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream (`data: {...}` lines) up to `data: [DONE]`."""
+async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[dict[str, Any], bytes]]:
+    """The JSON payloads of an SSE stream (`data: {...}` lines) up to `data: [DONE]`, each with
+    its bytes."""
     async for raw in resp.content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -250,7 +256,19 @@ async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         except json.JSONDecodeError:
             raise EngineFailedError(f"malformed stream chunk: {data[:200]!r}") from None
         if isinstance(chunk, dict):
-            yield chunk
+            yield chunk, data
+
+
+def _output_ids(chunk: bytes, tokens: int) -> tuple[int, ...]:
+    """The `tokens` output ids a cumulative stream chunk holds; empty when it holds another
+    count (an incremental stream, or none at all): the request cannot go on exactly then."""
+    try:
+        ids = json.loads(chunk).get("output_ids")
+    except (ValueError, AttributeError):
+        return ()
+    if not isinstance(ids, list) or len(ids) != tokens or not all(type(i) is int for i in ids):
+        return ()
+    return tuple(ids)
 
 
 _OUTPUT_IDS = b'"output_ids":['
