@@ -26,6 +26,7 @@ from evolving_infra.router.dispatcher import (
     Finished,
     OverloadedError,
     PreparedRequest,
+    ShuttingDownError,
     TextPiece,
 )
 from evolving_infra.router.loads import EngineHandle
@@ -109,6 +110,29 @@ def test_one_engine_serves_in_arrival_order_and_a_small_request_does_not_jump_it
         return c.order
 
     assert asyncio.run(run()) == [("a", 0), ("b", 0), ("c", 0), ("d", 0)]
+
+
+def test_a_stopping_router_refuses_the_held_requests_and_every_later_one() -> None:
+    """`close()` (the router drains for a stop): the requests held for decode room are refused
+    at once (503 shutting_down: no engine saw them), and so is a request arriving after,
+    even one that would fit; the room the engine had is untouched."""
+
+    async def run() -> None:
+        c = _Clients(_Engines(e0=95))
+        held = [c.send(n, 10) for n in ("a", "b")]
+        await _settle()
+        assert c.gate.waiting == 2
+        assert c.gate.close() == 2
+        for task in held:
+            with pytest.raises(ShuttingDownError):
+                await task
+        assert c.gate.waiting == 0
+        assert c.gate.extra() == {}
+        with pytest.raises(ShuttingDownError):
+            await c.gate.wait(1, c.engines.choose)
+        assert c.order == []
+
+    asyncio.run(run())
 
 
 def test_a_request_that_fits_on_another_engine_passes_and_the_waiting_one_is_not_starved() -> None:

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from evolving_infra.router.dispatcher import OverloadedError
+from evolving_infra.router.dispatcher import OverloadedError, ShuttingDownError
 
 # The drain rate is read over this long: long enough to span a few agent generations (a 4k-token
 # answer takes about a minute on a loaded decode engine), short enough to follow the load.
@@ -91,6 +91,22 @@ class DecodeGate:
         # used, or an arrival in between would find the room free.
         self._claimed: dict[int, int] = {}
         self._seq = itertools.count()
+        self._closed = False
+
+    def close(self) -> int:
+        """The router stops: every request still held here is refused (`ShuttingDownError`:
+        no engine has seen it, its client sends it again), and so is every later one, so that
+        the drain waits only for requests under way. Returns how many were held."""
+        self._closed = True
+        held = [w for q in self._queues.values() for w in q]
+        for w in held:
+            if not w.future.done():
+                w.future.set_exception(self._shutting_down())
+        return len(held)
+
+    @staticmethod
+    def _shutting_down() -> ShuttingDownError:
+        return ShuttingDownError("the router is shutting down: send the request again")
 
     @property
     def waiting(self) -> int:
@@ -159,6 +175,8 @@ class DecodeGate:
         before its next `await`. None: the gate does not apply (no decode engine up, or none
         could ever hold `blocks`), the placement decides. Raises `OverloadedError` (429) at
         once when the predicted wait is over `max_wait_s`, or after holding it that long."""
+        if self._closed:
+            raise self._shutting_down()
         space = self._space()
         if not space or blocks > max(cap for cap, _ in space.values()):
             return None
@@ -180,7 +198,7 @@ class DecodeGate:
             wait = self.expected_wait(w.engine, 0)
             raise self._overloaded(blocks, w.engine, wait, held=True) from None
         finally:
-            if w.future.done() and not w.future.cancelled():
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
                 admitted = w.future.result()
                 if admitted is not None:
                     # The caller takes the room now (or, gone, leaves it to the next).

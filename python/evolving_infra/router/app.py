@@ -54,6 +54,7 @@ from evolving_infra.router.dispatcher import (
     NoEngineError,
     OverloadedError,
     PreparedRequest,
+    ShuttingDownError,
 )
 from evolving_infra.router.metrics import CONTENT_TYPE, RouterMetrics
 from evolving_infra.router.server import ON_BAD_HTTP
@@ -134,6 +135,8 @@ def _dispatch_error(e: DispatchError) -> ApiError:
         # Whole seconds, at least one: what OpenAI's SDK and most HTTP clients read.
         retry = {"Retry-After": str(max(math.ceil(e.retry_after_s), 1))}
         return ApiError(429, f"overloaded: {e.reason}", code=api.OVERLOADED, headers=retry)
+    if isinstance(e, ShuttingDownError):
+        return ApiError(503, e.reason, code=api.SHUTTING_DOWN, headers={"Retry-After": "1"})
     if isinstance(e, EngineRejectedError):
         return ApiError(400, e.reason, code=api.ENGINE_REJECTED)
     return ApiError(e.status, f"engine failed: {e.reason}", code=api.ENGINE_FAILED)

@@ -486,13 +486,21 @@ class RouterDaemon:
             self.serving.drain.cut()
 
     async def stop(self) -> None:
-        """Drains, then stops everything: the planner first (no phase switch while stopping),
-        then the requests in flight get `--shutdown-timeout` to finish while health checks and
-        hints go on (an engine that dies meanwhile still has its requests pulled back), then
-        the rest. `cut()` ends the drain early."""
+        """Drains, then stops everything: the planner first (no phase switch while stopping);
+        the requests held for decode room are refused (503); the requests under way get
+        `--shutdown-timeout` to finish while health checks and hints go on (an engine that
+        dies meanwhile still has its requests pulled back); then the rest. `cut()` ends the
+        drain early."""
         planner = [t for t in self._tasks if t.get_name() == "planner"]
         for t in planner:
             t.cancel()
+        gate = self.dispatcher.gate if self.dispatcher is not None else None
+        if gate is not None and self.serving is not None:
+            # Requests still waiting for decode room have cost no engine anything: refused
+            # now (503, sent again by their clients), the drain waits only for work under way.
+            refused = gate.close()
+            if refused:
+                log.info("router_stop_refused_held", requests=refused)
         if self.serving is not None:
             await self.serving.stop(self.config.shutdown_timeout)
         for t in self._tasks:

@@ -139,6 +139,14 @@ class EngineFailedError(DispatchError):
         self.status = 503 if unavailable else 502
 
 
+class ShuttingDownError(DispatchError):
+    """The router is stopping and had not sent the request to any engine yet (it waited for
+    decode room): refused so that the drain waits only for work under way; the client sends
+    it again, to another replica or once the router is back (503, `Retry-After`)."""
+
+    status = 503
+
+
 class BrokenStreamError(EngineFailedError):
     """A decode stream that broke after it had streamed (its engine crashed): `output_ids` are
     the tokens it had generated, as its last chunk said them (empty when it did not), so that
