@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from evolving_infra import KvDirectory, block_hashes
 from evolving_infra.control.client import EngineClient
 from evolving_infra.router import api
 from evolving_infra.router.dispatcher import Finished, PreparedRequest
-from evolving_infra.router.kvpull import ControlPuller, Pull, best_source
+from evolving_infra.router.kvpull import ControlPuller, Pull, PullCost, best_source
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.registry import EngineRegistry
@@ -42,9 +44,17 @@ def test_best_source_is_the_longest_prefix_elsewhere() -> None:
 
 
 class _Recorder:
-    def __init__(self) -> None:
+    def __init__(self, cost: float | None = None) -> None:
         self.pulls: list[tuple[int, Pull, int]] = []
         self.order: list[str] = []
+        self.cost = cost
+        self.skips = 0
+
+    def cost_s(self, blocks: int) -> float | None:
+        return self.cost
+
+    def skipped(self) -> None:
+        self.skips += 1
 
     async def pull(self, dest: int, pull: Pull, hashes: Sequence[int]) -> int:
         self.order.append("pull")
@@ -106,6 +116,40 @@ def test_the_dispatcher_pulls_the_prefix_before_it_sends_the_prefill() -> None:
     assert bare.uncached == len(ids)
 
 
+def test_a_pull_that_costs_more_than_it_saves_is_not_asked_for() -> None:
+    """The decode node holds the prompt's prefix; a pull of it is asked for only while its
+    predicted seconds are under the prefill seconds it saves."""
+    ids = list(range(256)) * 8  # 2,048 tokens
+    req = _request(ids)
+    n = len(req.block_hashes)
+    directory = KvDirectory()
+    directory.store(2, "L1", list(req.block_hashes[: n - 4]))
+    model = IterationModel()
+    saved = model.predict_prefill_one(len(ids), 0) - model.predict_prefill_one(64, len(ids) - 64)
+    assert saved > 0
+    cheap, dear = _Recorder(cost=saved / 2), _Recorder(cost=saved * 2)
+    assert _dispatcher(directory, cheap, Legs())._place(req, set()).pull == Pull(2, "L1", n - 4)
+    place = _dispatcher(directory, dear, Legs())._place(req, set())
+    assert place.pull is None
+    assert place.uncached == len(ids)  # computed whole, as without a puller
+    assert (cheap.skips, dear.skips) == (0, 1)
+
+
+def test_the_pull_cost_is_fitted_to_the_pulls_seen() -> None:
+    cost = PullCost()
+    for blocks in (10, 20, 40, 80):
+        cost.add(blocks, 0.015 + blocks * 0.001)
+    assert cost.predict(50) is None  # too few pulls yet
+    cost.add(160, 0.015 + 160 * 0.001)
+    assert cost.predict(0) == pytest.approx(0.015)
+    assert cost.predict(100) == pytest.approx(0.115)
+    # Pulls of one size: the mean, whatever the size asked.
+    same = PullCost()
+    for _ in range(6):
+        same.add(8, 0.02)
+    assert same.predict(1000) == pytest.approx(0.02)
+
+
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     data = json.dumps(body).encode()
     request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
@@ -137,7 +181,7 @@ def test_a_pull_between_two_live_engines_is_hit_by_the_next_prefill(tmp_path: Pa
 
         moved, counts = asyncio.run(pull())
         assert moved == len(hashes)
-        assert counts == {"ok": 1, "failed": 0, "blocks": len(hashes)}
+        assert counts == {"ok": 1, "failed": 0, "skipped": 0, "blocks": len(hashes)}
         more = ids + [40] * (4 * page)
         second = _post(f"{cluster.engine_urls[1]}/generate",
                        {"input_ids": more, "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
@@ -147,6 +191,9 @@ def test_a_pull_between_two_live_engines_is_hit_by_the_next_prefill(tmp_path: Pa
             puller = ControlPuller({})
             return await puller.pull(1, Pull(0, "L1", 3), hashes), puller.counts
 
-        assert asyncio.run(unknown_engine()) == (0, {"ok": 0, "failed": 1, "blocks": 0})
+        assert asyncio.run(unknown_engine()) == (
+            0,
+            {"ok": 0, "failed": 1, "skipped": 0, "blocks": 0},
+        )
     finally:
         cluster.stop()

@@ -13,10 +13,17 @@ lagged the simulator's on the same workload (`evolving-infra parity`).
 
 A pull that fails (an engine without TransferKV, such as the SGLang backend, a timeout, blocks
 gone meanwhile) costs only its time: the prefill then computes what it lacks, as it would have.
+
+A pull is asked for only when it pays: its predicted seconds (`ControlPuller.cost_s`, a line
+a + b x blocks fitted online to the pulls so far: the call's round trip and the transfer) must
+be under the prefill seconds it saves. The simulator's fetch has no round trip; here one costs
+~15 ms on a loaded machine, more than computing the few blocks of a previous answer that the
+decode node alone holds (most pulls before this rule: parity, 2-core VM).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,6 +39,10 @@ from evolving_infra.nodemodel.kv import KvTier
 log = structlog.get_logger("evolving_infra.router.kvpull")
 
 PULL_TIMEOUT_S = 10.0  # a pull slower than this is not worth waiting for: the prefill computes
+# The pull-time fit: its weights decay by this much a pull (it follows the machine's load), and
+# it predicts only once this many pulls have been seen (before that every pull is asked for).
+COST_DECAY = 0.98
+COST_MIN_PULLS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,45 @@ class KvPuller(Protocol):
 
     async def pull(self, dest: int, pull: Pull, hashes: Sequence[int]) -> int: ...
 
+    def cost_s(self, blocks: int) -> float | None:
+        """Predicted seconds of a pull of `blocks` new blocks; None while unknown."""
+        ...
+
+    def skipped(self) -> None:
+        """A pull was not asked for: it would have cost more than it saves."""
+        ...
+
+
+@dataclass
+class PullCost:
+    """Seconds of a pull as a + b x blocks, least squares over the pulls seen, older ones
+    weighing less (`COST_DECAY`)."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    seen: int = 0
+
+    def add(self, blocks: int, seconds: float) -> None:
+        d = COST_DECAY
+        self.n = self.n * d + 1
+        self.sx = self.sx * d + blocks
+        self.sy = self.sy * d + seconds
+        self.sxx = self.sxx * d + blocks * blocks
+        self.sxy = self.sxy * d + blocks * seconds
+        self.seen += 1
+
+    def predict(self, blocks: int) -> float | None:
+        if self.seen < COST_MIN_PULLS:
+            return None
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x * mean_x
+        # All pulls of one size so far, or a slope the noise made negative: the mean.
+        slope = max((self.sxy / self.n - mean_x * mean_y) / var, 0.0) if var > 1e-9 else 0.0
+        return max(mean_y + slope * (blocks - mean_x), 0.0)
+
 
 @dataclass
 class ControlPuller:
@@ -66,13 +116,23 @@ class ControlPuller:
 
     clients: Mapping[int, EngineClient]
     timeout_s: float = PULL_TIMEOUT_S
-    counts: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0, "blocks": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"ok": 0, "failed": 0, "skipped": 0, "blocks": 0}
+    )
+    cost: PullCost = field(default_factory=PullCost)
+
+    def cost_s(self, blocks: int) -> float | None:
+        return self.cost.predict(blocks)
+
+    def skipped(self) -> None:
+        self.counts["skipped"] += 1
 
     async def pull(self, dest: int, pull: Pull, hashes: Sequence[int]) -> int:
         client = self.clients.get(dest)
         if client is None:
             self.counts["failed"] += 1
             return 0
+        started = time.monotonic()
         try:
             result = await client.transfer_kv(
                 KvLocation(pull.tier, pull.source),
@@ -87,4 +147,5 @@ class ControlPuller:
             return 0
         self.counts["ok"] += 1
         self.counts["blocks"] += result.blocks_moved
+        self.cost.add(result.blocks_moved, time.monotonic() - started)
         return result.blocks_moved

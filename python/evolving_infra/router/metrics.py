@@ -236,10 +236,11 @@ class _PullCollector(Collector):
         pulls = CounterMetricFamily(
             "evolving_kv_pulls",
             "Cached prefixes a prefill engine was asked to pull from another node before its"
-            " prefill (EngineControl TransferKV), by outcome",
+            " prefill (EngineControl TransferKV), by outcome (skipped: it would cost more than"
+            " the prefill time it saves)",
             labels=["outcome"],
         )
-        for outcome in ("ok", "failed"):
+        for outcome in ("ok", "failed", "skipped"):
             pulls.add_metric([outcome], counts.get(outcome, 0))
         yield pulls
         yield CounterMetricFamily(

@@ -227,6 +227,9 @@ class PdDispatcher:
         pull = None
         if self.puller is not None:
             pull = best_source(route.prefix(), placed.node, cached)
+            if pull is not None and not self._pays(pull, cached, t):
+                self.puller.skipped()
+                pull = None
             cached = cached if pull is None else pull.blocks
         uncached = max(t - min(cached * self.page_size, t), 1)
         seconds = self.model.predict_prefill_one(uncached, t - uncached)
@@ -239,6 +242,19 @@ class PdDispatcher:
             route.expected_output_tokens,
             pull,
         )
+
+    def _pays(self, pull: Pull, cached: int, prompt_tokens: int) -> bool:
+        """Whether pulling `pull` saves more prefill time than it costs (`kvpull.py`)."""
+        assert self.puller is not None
+        cost = self.puller.cost_s(pull.blocks - cached)
+        if cost is None:
+            return True  # not learned yet: pulls are how it learns
+
+        def prefill_s(blocks: int) -> float:
+            u = max(prompt_tokens - min(blocks * self.page_size, prompt_tokens), 1)
+            return self.model.predict_prefill_one(u, prompt_tokens - u)
+
+        return prefill_s(cached) - prefill_s(pull.blocks) > cost
 
     def _decode_blocks(self, route: RouteRequest) -> int:
         """KV blocks the router counts for the request on its decode node: prompt and output
@@ -285,6 +301,9 @@ class PdDispatcher:
             block_hashes=tuple(block_hashes(list(ids), self.page_size)),
             sampling=dataclasses.replace(req.sampling, max_tokens=budget),
             arrival=time.monotonic(),  # the router's own time is counted from here
+            # A new request to the engines: the broken attempt may still be winding down on
+            # the prefill engine under the old id.
+            request_id=f"{req.request_id}-m{len(output)}",
         )
 
     async def _generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
