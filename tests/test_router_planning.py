@@ -129,3 +129,33 @@ def test_every_decision_is_logged_with_each_candidates_throughput() -> None:
         assert e["asked"] is None
         assert set(e["theta"]) == {"1P2D", "2P1D"}
         assert e["best"] in e["theta"]
+
+
+def test_the_planner_holds_while_an_engine_is_down_and_resumes_when_it_is_back() -> None:
+    """One of three engines down (killed, or not joined yet): the split running (1P1D) is not
+    a split of the three the planner weighs, so it decides nothing and says so once; with the
+    engine back it decides again. Asked with such a split, the planner raised and its task
+    died for the rest of the router's life (the soak's killed engine)."""
+    phases: tuple[Phase, ...] = ("prefill", "prefill", "decode")
+    registry = EngineRegistry(
+        [
+            EngineHandle(n, "http://127.0.0.1:1", p, "127.0.0.1", 1, 1000)
+            for n, p in enumerate(phases)
+        ]
+    )
+    lp = LivePlanner(registry, {}, IterationModel(), page_size=16, nodes=3)
+    lp.planner = EvolvingPlanner(3, min_gain=10.0, kv_capacity_tokens=400_000)  # never moves
+    registry.set_state(1, "down", "killed")
+    with structlog.testing.capture_logs() as logs:
+        for minute in range(1, 9):
+            if minute == 5:
+                registry.set_state(1, "up")
+            for _ in range(20):
+                lp.slices.arrival(4000, 3000, 1000, now=minute * 60.0 - 30)
+                lp.slices.tokens(200)
+            lp.tick(minute * 60.0)
+    events = [e["event"] for e in logs if e["event"].startswith("planner_")]
+    assert events.count("planner_held") == 1
+    assert events.count("planner_resumed") == 1
+    assert events.index("planner_resumed") < events.index("planner_decision")
+    assert events.count("planner_decision") >= 2

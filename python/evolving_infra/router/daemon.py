@@ -158,6 +158,16 @@ async def discover(
     return engines, pending
 
 
+def _said_if_failed(task: asyncio.Task[None]) -> None:
+    """Logs a background loop that ended with an error (they run until the router stops: one
+    that ends otherwise has stopped doing its work, silently but for this)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "router_loop_failed", loop=task.get_name(), error=repr(task.exception()),
+            exc_info=task.exception(),
+        )  # fmt: skip
+
+
 def _import_scipy() -> None:
     import scipy.optimize
     import scipy.stats  # noqa: F401
@@ -290,6 +300,8 @@ class RouterDaemon:
             asyncio.create_task(self.planner.run(), name="planner"),
             asyncio.create_task(self._hints_loop(), name="hints"),
         ]
+        for t in self._tasks:
+            t.add_done_callback(_said_if_failed)
         log.info(
             "router_serving",
             host=cfg.host,
@@ -506,7 +518,9 @@ class RouterDaemon:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            # A loop that died of an error was logged when it did (`_said_if_failed`): the stop
+            # goes on (raised here, it ended the stop and the router never exited).
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self._session is not None:
             await self._session.close()

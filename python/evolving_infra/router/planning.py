@@ -73,11 +73,11 @@ class LivePlanner:
         self.enabled = enabled
         self.page_size = page_size
         self.slices = Slices(window_s, block_tokens=page_size)
-        self.planner = EvolvingPlanner(
-            nodes or len(self.clients), interval=interval, window_s=window_s
-        )
+        self.nodes = nodes or len(self.clients)
+        self.planner = EvolvingPlanner(self.nodes, interval=interval, window_s=window_s)
         self.switches: list[SwitchRecord] = []
         self._switching: set[int] = set()
+        self._held = False  # decisions held while not every engine is up (`tick`)
         self.decisions = 0  # evaluations made (kept or switched), for /metrics
         self.last_decision_unix: float | None = None  # wall-clock time of the latest
 
@@ -136,7 +136,23 @@ class LivePlanner:
         if not self.enabled or self._switching:
             return
         current = self.split()
-        target = self.planner.decide(now, current, list(self.slices.window), self.model)
+        nodes = self.nodes
+        if current.prefill + current.decode != nodes:
+            # An engine down (or not joined yet): the split of the cluster the planner weighs
+            # is not the one running. It holds until the engines are back (the decision asked
+            # with such a split raised, and the planner's task died: no decision ever again).
+            if not self._held:
+                log.warning("planner_held", split=str(current), engines=nodes)
+            self._held = True
+            return
+        if self._held:
+            log.info("planner_resumed", split=str(current))
+            self._held = False
+        try:
+            target = self.planner.decide(now, current, list(self.slices.window), self.model)
+        except ValueError as err:  # a split it cannot weigh (one phase only): it goes on
+            log.error("planner_decision_failed", split=str(current), error=str(err))
+            return
         decided = self.planner.decision(now, target)
         if decided is not None:  # kept or switched, and Θ per candidate: why
             self.decisions += 1
