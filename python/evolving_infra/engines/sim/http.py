@@ -41,6 +41,7 @@ from evolving_infra.engines.sim.requests import (
     token_text,
 )
 from evolving_infra.engines.sim.service import SimEngine
+from evolving_infra.types import token_ids_valid
 
 log = structlog.get_logger("evolving_infra.engines.sim")
 ENGINE = web.AppKey("engine", SimEngine)
@@ -117,9 +118,7 @@ def _input_ids(body: dict[str, Any]) -> list[int]:
         if not isinstance(text, str):
             raise BadRequestError("text must be a string (batches are not supported)")
         return list(text.encode("utf-8"))
-    if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids
-    ):
+    if not isinstance(ids, list) or not token_ids_valid(ids):
         raise BadRequestError("input_ids must be a list of token ids (unsigned 32-bit)")
     return ids
 
