@@ -125,7 +125,7 @@ def test_metrics_show_each_engines_load_the_planner_and_ingestion(
     assert {"gaps", "replays", "restarts"} <= set(events)
     assert values("evolving_admission_shed", "when") == {"early": 0.0, "late": 0.0}
     pulls = values("evolving_kv_pulls", "outcome")
-    assert set(pulls) == {"ok", "failed"}
+    assert set(pulls) == {"ok", "failed", "skipped"}
     assert pulls["failed"] == 0
     assert families["evolving_kv_pulled_blocks"].samples[0].value >= 0
     assert families["process_resident_memory_bytes"].samples[0].value > 0

@@ -104,9 +104,8 @@ def test_a_decision_becomes_an_in_place_switch_that_keeps_the_kv() -> None:
     asyncio.run(scenario())
 
 
-def test_every_decision_is_logged_with_each_candidates_throughput() -> None:
-    """The planner is not silent when it keeps the split: one `planner_decision` line per
-    decision, with the split, the best candidate and Θ of every candidate."""
+def _still_planner() -> tuple[EngineRegistry, LivePlanner]:
+    """Three engines (2P1D) and a live planner over them whose planner never moves."""
     phases: tuple[Phase, ...] = ("prefill", "prefill", "decode")
     registry = EngineRegistry(
         [
@@ -115,7 +114,14 @@ def test_every_decision_is_logged_with_each_candidates_throughput() -> None:
         ]
     )
     lp = LivePlanner(registry, {}, IterationModel(), page_size=16, nodes=3)
-    lp.planner = EvolvingPlanner(3, min_gain=10.0, kv_capacity_tokens=400_000)  # never moves
+    lp.planner = EvolvingPlanner(3, min_gain=10.0, kv_capacity_tokens=400_000)
+    return registry, lp
+
+
+def test_every_decision_is_logged_with_each_candidates_throughput() -> None:
+    """The planner is not silent when it keeps the split: one `planner_decision` line per
+    decision, with the split, the best candidate and Θ of every candidate."""
+    _, lp = _still_planner()
     with structlog.testing.capture_logs() as logs:
         for minute in range(1, 5):
             for _ in range(20):
@@ -136,15 +142,7 @@ def test_the_planner_holds_while_an_engine_is_down_and_resumes_when_it_is_back()
     a split of the three the planner weighs, so it decides nothing and says so once; with the
     engine back it decides again. Asked with such a split, the planner raised and its task
     died for the rest of the router's life (the soak's killed engine)."""
-    phases: tuple[Phase, ...] = ("prefill", "prefill", "decode")
-    registry = EngineRegistry(
-        [
-            EngineHandle(n, "http://127.0.0.1:1", p, "127.0.0.1", 1, 1000)
-            for n, p in enumerate(phases)
-        ]
-    )
-    lp = LivePlanner(registry, {}, IterationModel(), page_size=16, nodes=3)
-    lp.planner = EvolvingPlanner(3, min_gain=10.0, kv_capacity_tokens=400_000)  # never moves
+    registry, lp = _still_planner()
     registry.set_state(1, "down", "killed")
     with structlog.testing.capture_logs() as logs:
         for minute in range(1, 9):

@@ -313,24 +313,24 @@ def _room(request: web.Request) -> int:
         raise BadRequestError("the room must be an integer") from None
 
 
-async def kv_poll(request: web.Request) -> web.Response:
+def _poll_timeout(request: web.Request) -> float:
+    """A long poll's `timeout` query parameter, seconds (default 60)."""
     try:
         timeout = float(request.query.get("timeout", "60"))
     except ValueError:
         raise BadRequestError("timeout must be a number of seconds") from None
     if not 0 < timeout <= 3600:
         raise BadRequestError("timeout must be in (0, 3600] seconds")
-    return web.json_response(await request.app[ENGINE].wait_prefilled(_room(request), timeout))
+    return timeout
+
+
+async def kv_poll(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response(await engine.wait_prefilled(_room(request), _poll_timeout(request)))
 
 
 async def kv_blocks(request: web.Request) -> web.Response:
-    try:
-        timeout = float(request.query.get("timeout", "60"))
-    except ValueError:
-        raise BadRequestError("timeout must be a number of seconds") from None
-    if not 0 < timeout <= 3600:
-        raise BadRequestError("timeout must be in (0, 3600] seconds")
-    blocks = await request.app[ENGINE].wait_offered(_room(request), timeout)
+    blocks = await request.app[ENGINE].wait_offered(_room(request), _poll_timeout(request))
     return web.json_response({"pool_blocks": blocks})
 
 
