@@ -1,7 +1,9 @@
 """A cached prefix another node holds is pulled to the chosen prefill engine before its prefill
 (`router/kvpull.py`, issue 27): which node it comes from, that the dispatcher pulls before it
-sends the prefill and counts the pulled prefix as cached, and a real pull between two live
-engines over EngineControl that the next prefill hits."""
+sends the prefill and counts the pulled prefix as cached, that it pulls only when that pays,
+and a real pull between two live engines over EngineControl that the next prefill hits. Also
+the dispatcher's other continuation across engines: a broken decode stream's migration, on the
+same stub legs."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from evolving_infra import KvDirectory, block_hashes
 from evolving_infra.control.client import EngineClient
 from evolving_infra.router import api
-from evolving_infra.router.dispatcher import Finished, PreparedRequest
+from evolving_infra.router.dispatcher import BrokenStreamError, Finished, PreparedRequest, TextPiece
 from evolving_infra.router.kvpull import ControlPuller, Pull, PullCost, best_source
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.pd import PdDispatcher
@@ -197,3 +199,47 @@ def test_a_pull_between_two_live_engines_is_hit_by_the_next_prefill(tmp_path: Pa
         )
     finally:
         cluster.stop()
+
+
+def test_a_broken_decode_stream_goes_on_from_the_tokens_streamed() -> None:
+    """Migration (`PdDispatcher.generate`): the first decode leg streams 3 tokens and breaks;
+    the request goes on with those tokens appended to its prompt and the budget left (4 - 3),
+    and the client sees one unbroken answer whose usage counts all 4 tokens. With the budget
+    used up, the lost end is only the finish; past the limit, the break is the client's error."""
+    ids = list(range(256)) * 2
+    req = _request(ids)  # max_tokens 4
+    bodies: list[dict[str, Any]] = []
+
+    async def decode(engine: Any, body: bytes) -> Any:
+        bodies.append(json.loads(body))
+        if len(bodies) == 1:
+            for t in "abc":
+                yield TextPiece(t)
+            raise BrokenStreamError("engine 2 broke the stream", node=2, output_ids=(7, 8, 9))
+        yield TextPiece("d")
+        yield Finished("length", completion_tokens=1, cached_tokens=len(ids) + 3)
+
+    dispatcher = _dispatcher(KvDirectory(), None, Legs(decode=decode))
+
+    async def run(d: PdDispatcher, r: PreparedRequest) -> list[Any]:
+        return [e async for e in d.generate(r)]
+
+    events = asyncio.run(run(dispatcher, req))
+    assert "".join(e.text for e in events if isinstance(e, TextPiece)) == "abcd"
+    assert events[-1] == Finished("length", completion_tokens=4, cached_tokens=len(ids))
+    first, second = bodies
+    assert second["input_ids"] == [*first["input_ids"], 7, 8, 9]
+    assert second["sampling_params"]["max_new_tokens"] == 1
+    assert second["rid"] != first["rid"]
+
+    async def all_streamed(engine: Any, body: bytes) -> Any:
+        yield TextPiece("abcd", tokens=4)
+        raise BrokenStreamError("broke", node=2, output_ids=(1, 2, 3, 4))
+
+    done = asyncio.run(run(_dispatcher(KvDirectory(), None, Legs(decode=all_streamed)), req))
+    assert done[-1] == Finished("length", completion_tokens=4, cached_tokens=None)
+    limited = _dispatcher(KvDirectory(), None, Legs(decode=decode))
+    limited.migration_limit = 0
+    bodies.clear()
+    with pytest.raises(BrokenStreamError):
+        asyncio.run(run(limited, req))

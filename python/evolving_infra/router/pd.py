@@ -279,14 +279,17 @@ class PdDispatcher:
                     yield event
                 return
             except BrokenStreamError as e:
-                budget = self._max_out(request) - len(e.output_ids)
-                if migration == self.migration_limit or not e.output_ids or budget < 1:
+                if migration == self.migration_limit or not e.output_ids:
                     raise
+                budget = self._max_out(request) - len(e.output_ids)
                 streamed += len(e.output_ids)
+                if budget < 1:  # every token was streamed: only the end was lost
+                    yield Finished("length", streamed, None)
+                    return
                 request = self._continuation(request, e.output_ids, budget)
                 self.observer.migrated(streamed)
                 log.warning(
-                    "request_migrated", request=request.request_id, down=e.node, tokens=streamed
+                    "request_migrated", request=original.request_id, down=e.node, tokens=streamed
                 )
 
     def _continuation(
