@@ -432,11 +432,15 @@ def test_replay_claude_code_traces_hits_kv_end_to_end(
     assert _live_branches(cluster) == 0
 
 
-def test_the_next_turn_hits_the_response_the_decode_engine_cached(cluster: Cluster) -> None:
-    """A two-turn conversation whose second prompt holds the first response (4 blocks of it):
-    the replay sends the engine's own answer back, so the second turn finds the response cached
-    (pulled from the decode engine, which alone holds it) as the simulator's decode node would."""
+def test_the_next_turn_sends_the_answer_back() -> None:
+    """A two-turn conversation whose second prompt holds the first answer (4 blocks of it),
+    against a stand-in router that answers with its own text: the second prompt carries the
+    first prompt's tail and that text where the trace has the answer's blocks, as a harness
+    sends back what the model wrote (so the pages a decode engine kept are hit, as the
+    simulator's decode node's are), and its own blocks after."""
     bs = 32
+    answer = "".join(chr(65 + i % 26) for i in range(4 * bs - 5))
+    prompts: list[list[int]] = []
 
     def req(blocks: tuple[int, ...], output: int, *, end: bool = False) -> Request:
         ids = tuple(BlockId(b) for b in blocks)
@@ -445,25 +449,35 @@ def test_the_next_turn_hits_the_response_the_decode_engine_cached(cluster: Clust
             end=end,
         )  # fmt: skip
 
-    # Turn 0: 6 blocks + 5 tokens, 4 * 32 - 5 tokens of answer: blocks 6..9 are its tail and
-    # response in turn 1, which adds 2 blocks of its own.
-    turns = (req(tuple(range(1, 7)), 4 * bs - 5), req(tuple(range(1, 13)), 8, end=True))
+    async def completions(request: web.Request) -> web.StreamResponse:
+        prompts.append((await request.json())["prompt"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        usage = {"prompt_tokens": len(prompts[-1]), "completion_tokens": len(answer)}
+        for k in range(0, len(answer), 10):  # streamed in pieces
+            chunk = {"choices": [{"index": 0, "text": answer[k : k + 10]}]}
+            await resp.write(router_api.sse(chunk))
+        await resp.write(router_api.sse({"choices": [], "usage": usage}))
+        await resp.write(router_api.SSE_DONE)
+        return resp
+
+    async def end(request: web.Request) -> web.Response:
+        return web.json_response({"ended": True})
+
+    # Turn 0: 6 blocks + 5 tokens, then the answer: blocks 6..9 of turn 1 are its tail and the
+    # answer; turn 1 adds 2 blocks of its own.
+    turns = (req(tuple(range(1, 7)), len(answer)), req(tuple(range(1, 13)), 8, end=True))
     root = Branch(BranchId("main"), BranchKind.ROOT, requests=turns)
     trace = Trace("answer", bs, (Agent(AgentId("t"), "test", "t", (root,)),))
     validate(trace)
-
-    async def main() -> list[Outcome]:
-        settings = ReplaySettings(cluster.router_url, "m", duration=30.0, run_id="answer")
-        async with aiohttp.ClientSession() as session:
-            replayer = Replayer(trace, settings, session)
-            summary = await replayer.run()
-        assert (summary.completed, summary.failed) == (2, 0), summary
-        return replayer.outcomes
-
-    second = asyncio.run(main())[1]
-    # Turn 0's prompt (6 blocks) and its answer (4 blocks) are cached; the 2 new blocks are not.
-    assert second.cached_tokens >= 10 * bs, second
-    assert second.cached_tokens < 12 * bs
+    summary = asyncio.run(_replay_against(trace, "answer", completions, end))
+    assert (summary.completed, summary.failed) == (2, 0), summary
+    first, second = prompts
+    sent_back = first + list(answer.encode())
+    assert second[: 10 * bs] == sent_back[: 10 * bs]
+    # Past the answer, the trace's own blocks: what the first turn never sent.
+    assert second[10 * bs : 10 * bs + 8] != sent_back[10 * bs : 10 * bs + 8]
+    assert len(second) == 12 * bs + 5
 
 
 def test_replay_sends_the_branch_events_of_forks_sub_agents_and_compactions(
