@@ -235,7 +235,9 @@ def test_a_decode_engine_killed_mid_stream_hands_its_streams_on(tmp_path: Path) 
         async def run() -> tuple[str, dict[str, object], list[int]]:
             body = {"model": "m", "prompt": PROMPT, "max_tokens": 400, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
-            text, usage, killed = "", {}, []
+            text = ""
+            usage: dict[str, object] = {}
+            killed: list[int] = []
             async with (
                 aiohttp.ClientSession() as s,
                 s.post(f"{router}/v1/completions", json=body) as r,
