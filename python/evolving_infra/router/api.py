@@ -104,6 +104,12 @@ def invalid(message: str, param: str | None = None, code: str = INVALID_VALUE) -
     return ApiError(400, message, code=code, param=param)
 
 
+def shutting_down(message: str) -> ApiError:
+    """The 503 of a stopping router for a request it did not take: the client sends it again
+    after `Retry-After` (to another replica, or here once the router is back)."""
+    return ApiError(503, message, code=SHUTTING_DOWN, headers={"Retry-After": "1"})
+
+
 # ---------------------------------------------------------------------------------------------
 # Requests
 

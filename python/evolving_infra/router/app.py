@@ -136,7 +136,7 @@ def _dispatch_error(e: DispatchError) -> ApiError:
         retry = {"Retry-After": str(max(math.ceil(e.retry_after_s), 1))}
         return ApiError(429, f"overloaded: {e.reason}", code=api.OVERLOADED, headers=retry)
     if isinstance(e, ShuttingDownError):
-        return ApiError(503, e.reason, code=api.SHUTTING_DOWN, headers={"Retry-After": "1"})
+        return api.shutting_down(e.reason)
     if isinstance(e, EngineRejectedError):
         return ApiError(400, e.reason, code=api.ENGINE_REJECTED)
     return ApiError(e.status, f"engine failed: {e.reason}", code=api.ENGINE_FAILED)

@@ -125,15 +125,11 @@ class Drain:
         self, request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
         if self.draining and request.path not in _WHILE_DRAINING:
-            error = ApiError(
-                503,
+            error = api.shutting_down(
                 "the router is shutting down: send the request again (to another replica, or"
-                " here once the router is back)",
-                code=api.SHUTTING_DOWN,
+                " here once the router is back)"
             )
-            refused = web.json_response(
-                error.body(), status=error.status, headers={"Retry-After": "1"}
-            )
+            refused = web.json_response(error.body(), status=error.status, headers=error.headers)
             refused.force_close()  # `Connection: close`: the client's next request reconnects
             return refused
         self.active += 1
