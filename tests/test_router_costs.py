@@ -9,6 +9,7 @@ slow tokenizer on a huge prompt), so that "the loop was free meanwhile" is check
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import threading
@@ -16,6 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from evolving_infra import KvDirectory
 from evolving_infra._core import PrefixMatch
@@ -30,7 +33,7 @@ from evolving_infra.router.registry import EngineRegistry
 from evolving_infra.router.transport import _without_output_ids, ids_json
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
-from evolving_infra.types import Phase
+from evolving_infra.types import Phase, token_ids_valid
 from router_helpers import PAGE, Legs, Router, run_router
 
 # -- the engine body's token ids ---------------------------------------------------------------
@@ -39,17 +42,18 @@ from router_helpers import PAGE, Legs, Router, run_router
 @pytest.mark.parametrize(
     "ids",
     [[], [0], [255, 0, 17], list(range(300)), [2**17 - 1, 2**17, 2**32 - 1, 5]],
-    ids=["empty", "zero", "bytes", "range", "past-the-table"],
+    ids=["empty", "zero", "bytes", "range", "large"],
 )
 def test_ids_json_is_the_json_array_of_the_ids(ids: list[int]) -> None:
     assert json.loads(ids_json(ids)) == ids
     assert ids_json(ids) == json.dumps(ids, separators=(",", ":")).encode()
     assert ids_json(tuple(ids)) == ids_json(ids)
+    assert ids_json(collections.deque(ids)) == ids_json(ids)  # any sequence
 
 
 def test_ids_json_of_a_random_100k_token_prompt() -> None:
     rng = random.Random(8)
-    ids = [rng.randrange(2**18) for _ in range(100_000)]  # mixes table and formatted ids
+    ids = [rng.randrange(2**18) for _ in range(100_000)]
     assert json.loads(ids_json(ids)) == ids
 
 
@@ -104,6 +108,52 @@ def test_token_id_prompts_are_checked_as_before() -> None:
         assert e.value.status == 400
         assert e.value.param == "prompt"
         assert repr(bad) in e.value.message
+
+
+def _valid_reference(value: Sequence[object]) -> bool:
+    return all(type(t) is int and 0 <= t < 2**32 for t in value)
+
+
+class _Id(int):
+    """An int subclass: not a token id (SGLang's check is on exact ints)."""
+
+
+_items: st.SearchStrategy[object] = st.one_of(
+    st.integers(0, 2**32 - 1),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.none(),
+    st.builds(_Id, st.integers(0, 10)),
+)
+
+
+@given(st.data())
+def test_token_ids_valid_agrees_with_its_definition(data: st.DataObject) -> None:
+    # Mostly valid ids, and at times one bad item somewhere: the native check reads lists and
+    # tuples in place, anything else item by item.
+    ids: list[object] = list(
+        data.draw(st.lists(st.integers(0, 2**32 - 1) | st.sampled_from([2**32, -1]), max_size=50))
+    )
+    spoil: bool = data.draw(st.booleans())
+    if ids and spoil:
+        ids[data.draw(st.integers(0, len(ids) - 1))] = data.draw(_items)
+    want = _valid_reference(ids)
+    assert token_ids_valid(ids) is want
+    assert token_ids_valid(tuple(ids)) is want
+    assert token_ids_valid(collections.deque(ids)) is want
+
+
+def test_token_ids_valid_on_a_long_prompt_and_other_sequences() -> None:
+    ids = list(range(0, 2**32, 2**32 // 100_000))
+    assert token_ids_valid(ids)
+    assert not token_ids_valid([*ids, 2**32])
+    assert token_ids_valid(range(5))
+    assert not token_ids_valid(range(-1, 5))
+    assert token_ids_valid([])
+    with pytest.raises(TypeError):
+        token_ids_valid("123")
 
 
 # -- one directory match per request -------------------------------------------------------------

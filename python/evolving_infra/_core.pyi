@@ -28,6 +28,7 @@ __all__ = [
     "__version__",
     "_fast_int_layout",
     "block_hashes",
+    "token_ids_valid",
     "trace_chain",
 ]
 
@@ -38,6 +39,10 @@ _Hashes: TypeAlias = Sequence[int] | npt.NDArray[np.int64]
 
 def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
     """SGLang 0.5.23 page hashes of every full page of `token_ids` (signed 64-bit ints)."""
+
+def token_ids_valid(token_ids: Sequence[object]) -> bool:
+    """Whether every item is an int in [0, 2^32), bools excluded (read in place for lists and
+    tuples of ints)."""
 
 def _fast_int_layout() -> str | None:
     """The int layout lists of hashes are read by ("ob_size", "lv_tag"), or None where every item

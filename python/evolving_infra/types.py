@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, NewType
 
+from evolving_infra import _core
+
 Phase = Literal["prefill", "decode"]
 
 # A KV block's id in the directory: an SGLang page hash (DESIGN §2: signed 64-bit, from the
@@ -26,11 +28,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 def token_ids_valid(value: Sequence[object]) -> bool:
     """Whether `value` holds only ints (bools are not) in [0, TOKEN_ID_LIMIT). A prompt is
-    ~100k ids: checked in C (the types, then the bounds), ~3x faster than a loop over them,
-    which the router and every engine would run per request."""
-    if not value:
-        return True
-    if set(map(type, value)) != {int}:
-        return False
-    ints: Sequence[int] = value  # type: ignore[assignment]  # checked just above
-    return min(ints) >= 0 and max(ints) < TOKEN_ID_LIMIT
+    ~100k ids, checked by the router and every engine per request: read in place by the native
+    module (~50 µs per 100k ids; the quickest check in Python, over the set of the items' types
+    and then min and max, took ~4 ms and was on every request's path)."""
+    return _core.token_ids_valid(value)

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+
 from evolving_infra.types import TOKEN_ID_LIMIT, token_ids_valid
 
 FinishReason = Literal["stop", "length"]
@@ -495,7 +497,7 @@ class ChunkBuilder:
 
 def sse(data: Mapping[str, Any]) -> bytes:
     """One server-sent event carrying `data` as compact JSON."""
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

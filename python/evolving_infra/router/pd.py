@@ -83,6 +83,7 @@ class _Placement:
     decode_blocks: int
     max_out: int  # the output budget sent to the engines (`RouteRequest.expected_output_tokens`)
     pull: Pull | None = None  # a longer cached prefix another node holds, pulled first
+    ttft_s: float | None = None  # the TTFT the policy predicted on the prefill engine
 
 
 class PdDispatcher:
@@ -241,6 +242,7 @@ class PdDispatcher:
             self._decode_blocks(route),
             route.expected_output_tokens,
             pull,
+            placed.ttft_s,
         )
 
     def _pays(self, pull: Pull, cached: int, prompt_tokens: int) -> bool:
@@ -394,6 +396,17 @@ class PdDispatcher:
         if attempt == 0:
             # The router's own cost: the time held by the gate is queueing, not overhead.
             seen.dispatched(time.monotonic() - req.arrival - held_s)
+        # On the request's access-log line (the front end logs it when the answer ends): where
+        # it went and what was predicted, against the TTFT it got (bound on the first token).
+        structlog.contextvars.bind_contextvars(
+            prefill=p.node,
+            decode=d.node,
+            prompt_tokens=t,
+            uncached=place.uncached,
+            pulled=place.pull is not None,
+            held_s=round(held_s, 4),
+            predicted_ttft_s=None if place.ttft_s is None else round(place.ttft_s, 4),
+        )
         prefill = asyncio.create_task(self._prefill(p, place, req.block_hashes, prefill_body))
         prefill.add_done_callback(prefill_done)
         stream = self.transport.decode(d, decode_body)
@@ -419,6 +432,7 @@ class PdDispatcher:
                 if failed is not None:
                     raise failed from None
                 raise
+            structlog.contextvars.bind_contextvars(ttft_s=round(time.monotonic() - req.arrival, 4))
             while event is not None:
                 if isinstance(event, TextPiece):
                     seen.tokens(event.tokens)

@@ -52,6 +52,41 @@ pub(crate) fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
     obj.try_iter()?.map(|item| hash(&item?)).collect()
 }
 
+/// Token ids as `u32`s, or `None` when one is not an int in [0, 2^32) (a bool, a float, a
+/// negative or too large int). Lists and tuples of exact ints are read in place (`fastint`);
+/// anything else, or a list the fast path turned down, goes item by item. Not a sequence of
+/// items at all: `TypeError`.
+pub(crate) fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+    let fast = if let Ok(list) = obj.cast::<PyList>() {
+        fastint::list(list)
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        fastint::tuple(tuple)
+    } else {
+        None
+    };
+    if let Some(ints) = fast {
+        return Ok(ints.into_iter().map(|t| u32::try_from(t).ok()).collect());
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(pyo3::exceptions::PyTypeError::new_err(
+            "token ids must be ints, not a str",
+        ));
+    }
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for item in obj.try_iter()? {
+        let item = item?;
+        // Exact ints only: a bool is an int to Python, not a token id to SGLang.
+        if !item.is_exact_instance_of::<PyInt>() {
+            return Ok(None);
+        }
+        match item.extract::<u32>() {
+            Ok(t) => out.push(t),
+            Err(_) => return Ok(None),
+        }
+    }
+    Ok(Some(out))
+}
+
 /// An int argument; ints beyond 64 bits raise `InvalidArgumentError` naming it (not a bare
 /// `OverflowError`), other types raise `TypeError`.
 fn int_arg(obj: &Bound<'_, PyAny>, argument: &'static str) -> PyResult<i64> {

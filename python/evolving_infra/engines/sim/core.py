@@ -276,10 +276,17 @@ class EngineCore:
 
     async def _enqueue_when_claimed(self, live: LiveRequest, room: _Room) -> None:
         """A PD prefill is queued once its decode side has claimed the room (reserved its KV);
-        one never claimed within the KV hold fails as an unpulled prefill would (504)."""
+        one never claimed within the KV hold fails as an unpulled prefill would (504). The pool
+        is asked for the prompt's blocks meanwhile: the claim is a round trip through the
+        decode engine, the lookup one through the pool, and neither needs the other."""
+        lookup = None
+        if self.pool is not None and self.pool.up and live.sim.hashes:
+            lookup = self.loop.create_task(self._pool_lookup(live.sim))
         try:
             await asyncio.wait_for(room.claimed.wait(), self.settings.kv_hold_real_s)
         except TimeoutError:
+            if lookup is not None:
+                lookup.cancel()
             error = GenerateError(
                 f"room {live.bootstrap.room if live.bootstrap else '?'}:"
                 " no decode engine claimed it in time",
@@ -288,28 +295,41 @@ class EngineCore:
             self._fail_room(live, error)
             self._done(live, error)
             return
+        if lookup is not None:
+            await self._enqueue_after_pool(live, await lookup)
+            return
         if self._by_sim.get(live.sim.id) is not live:
             return
         if not self.node.accepting:
             self._hand_back(live)
             return
-        if self.pool is not None and self.pool.up and live.sim.hashes:
-            await self._enqueue_after_pool(live)
-        else:
-            self.node.enqueue(live.sim, self.env.now)
+        self.node.enqueue(live.sim, self.env.now)
 
-    async def _enqueue_after_pool(self, live: LiveRequest) -> None:
+    async def _pool_lookup(self, sim: SimRequest) -> tuple[int, int]:
+        """(start, n): the prompt's first block past what this node holds in L1/L2, and how many
+        blocks from there the shared pool holds (0 on any pool failure)."""
+        assert self.pool is not None
+        start = self.directory.match(sim.hashes).node(self.settings.node_id)[1]
+        return start, await self.pool.lookup(sim.hashes[start:])
+
+    async def _enqueue_after_pool(
+        self, live: LiveRequest, looked: tuple[int, int] | None = None
+    ) -> None:
         """Queues a prefill once the prompt's blocks past this node's L1/L2 are looked up, and
-        the leading run found fetched, in the shared pool (a miss on any pool failure)."""
+        the leading run found fetched, in the shared pool (a miss on any pool failure).
+        `looked`: a lookup made earlier (`_pool_lookup`); the node may hold more since."""
         assert self.pool is not None
         sim = live.sim
-        start = self.directory.match(sim.hashes).node(self.settings.node_id)[1]
-        n = await self.pool.lookup(sim.hashes[start:])
+        start, n = looked if looked is not None else await self._pool_lookup(sim)
         if self._by_sim.get(sim.id) is not live:
             return  # failed meanwhile (the engine is closing)
         if not self.node.accepting:
             self._hand_back(live)  # a switch began: as for the requests already queued
             return
+        # A pull may have landed since the lookup: the pool's run starts past what is held.
+        held = self.directory.match(sim.hashes).node(self.settings.node_id)[1]
+        if held > start:
+            start, n = held, max(start + n - held, 0)
         self.pool.hold(sim.id, sim.hashes, start, n)
         self.node.enqueue(sim, self.env.now)
 

@@ -23,12 +23,12 @@ retry elsewhere), 502/504 (the KV pull failed); a handler's bug is a 500, never 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -69,8 +69,8 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
 
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as e:
+        body = orjson.loads(await request.read())
+    except ValueError as e:  # orjson.JSONDecodeError, invalid UTF-8 included
         raise BadRequestError(f"the body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequestError("the body must be a JSON object")
@@ -152,8 +152,10 @@ async def _sse(request: web.Request) -> web.StreamResponse:
 
 
 async def _send(response: web.StreamResponse, payload: Any) -> None:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    await response.write(b"data: " + data.encode() + b"\n\n")
+    # orjson: a cumulative chunk carries every output id so far (SGLang's default stream), and
+    # json.dumps of them was a fifth of a decode engine's CPU.
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    await response.write(b"data: " + data + b"\n\n")
 
 
 async def _stream(
