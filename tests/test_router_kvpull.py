@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from evolving_infra import KvDirectory, block_hashes
 from evolving_infra.control.client import EngineClient
@@ -108,10 +109,22 @@ def test_the_dispatcher_pulls_the_prefix_before_it_sends_the_prefill() -> None:
     async def run() -> None:
         async for _ in dispatcher.generate(req):
             pass
+        structlog.get_logger().info("request")  # as the front end logs it, in the same task
 
-    asyncio.run(run())
+    with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs:
+        asyncio.run(run())
     assert recorder.pulls == [(place.prefill.node, Pull(2, "L1", n - 4), n)]
     assert recorder.order == ["pull", f"prefill on {place.prefill.node}"]
+    # The request's log line says where it went and what it cost.
+    [line] = logs
+    assert line["prefill"] == place.prefill.node
+    assert line["decode"] == 2
+    assert line["prompt_tokens"] == len(ids)
+    assert line["uncached"] == place.uncached
+    assert line["pulled"] is True
+    assert line["held_s"] == 0.0
+    assert line["predicted_ttft_s"] > 0
+    assert line["ttft_s"] >= 0
     # Without a puller (--no-kv-pull) nothing moves and the prefill counts only its own.
     bare = _dispatcher(directory, None, Legs())._place(req, set())
     assert bare.pull is None
