@@ -122,6 +122,7 @@ def test_the_dispatcher_pulls_the_prefix_before_it_sends_the_prefill() -> None:
     assert line["prompt_tokens"] == len(ids)
     assert line["uncached"] == place.uncached
     assert line["pulled"] is True
+    assert line["cached_tokens"] == 0  # what the decode side reported the prefill found
     assert line["held_s"] == 0.0
     assert line["predicted_ttft_s"] > 0
     assert line["ttft_s"] >= 0

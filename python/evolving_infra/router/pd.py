@@ -439,6 +439,7 @@ class PdDispatcher:
                 elif isinstance(event, Finished) and event.cached_tokens is not None:
                     # What the prefill really found cached (the decode side reports it).
                     seen.prefilled(t, t - min(event.cached_tokens, t))
+                    structlog.contextvars.bind_contextvars(cached_tokens=event.cached_tokens)
                 yield event
                 event = await anext(stream, None)
             # The decode side had the KV once it streamed: the prefill answer only confirms it,
