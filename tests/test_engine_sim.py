@@ -12,7 +12,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from evolving_infra import KvDirectory, block_hashes
-from evolving_infra.control.records import EvictionHints, SwitchRequest
+from evolving_infra.control.records import (
+    EvictionHints,
+    KvLocation,
+    SwitchRequest,
+    TransferRequest,
+)
 from evolving_infra.engines.sim import EngineSettings
 from test_engine_sim_helpers import PAGE, Running, prompt, running, settings
 
@@ -263,3 +268,33 @@ def test_iteration_samples_stream() -> None:
         await stream.aclose()
 
     run(test)
+
+
+def test_a_pull_answered_when_started_holds_the_blocks_and_its_prefills_wait() -> None:
+    """`TransferKV(answer_when_started=True)`, as the router pulls: the engine answers before
+    the move is over, holds the chain in L1 from then on, and a prefill of a prompt that starts
+    with the chain waits until it is in (the move overlaps the prefill's queue, as in the
+    simulator); a prompt that does not start with it does not wait."""
+    latency = 40.0  # simulated seconds: 2 s of real time here, far more than a prefill takes
+
+    async def test(r: Running) -> None:
+        e = r.engine
+        ids = prompt(1, 64 * PAGE)
+        hashes = tuple(block_hashes(ids, PAGE))
+        start = e.env.now
+        source = KvLocation.node(5, "L1")  # another node's GPU memory, as the router vouches
+        request = TransferRequest(source, KvLocation.node(0), hashes, answer_when_started=True)
+        got = await e.transfer_kv(request)
+        assert got.blocks_moved == len(hashes)
+        assert got.seconds >= latency
+        assert e.env.now - start < latency  # answered while the move goes on
+        assert e.directory.match(list(hashes)).node(0)[0] == len(hashes)  # held from now on
+        status, _ = await r.post("/generate", gen(prompt(3, 4 * PAGE), 1))
+        assert status == 200
+        assert e.env.now - start < latency  # another prompt did not wait for the move
+        status, out = await r.post("/generate", gen(ids + prompt(2, 4 * PAGE), 1))
+        assert status == 200
+        assert out["meta_info"]["cached_tokens"] == len(ids)
+        assert e.env.now >= start + got.seconds  # the prefill waited for the move
+
+    run(test, settings(transfer_latency=latency))

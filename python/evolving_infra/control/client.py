@@ -120,10 +120,14 @@ class EngineClient:
         hashes: Sequence[int],
         *,
         allow_partial: bool = False,
+        answer_when_started: bool = False,
         timeout: float | None = None,
     ) -> TransferResult:
-        """Copy the block chain `hashes` from `source` to `destination`."""
-        record = TransferRequest(source, destination, tuple(hashes), allow_partial)
+        """Copy the block chain `hashes` from `source` to `destination`; with
+        `answer_when_started`, answer once the move has begun (the proto says how)."""
+        record = TransferRequest(
+            source, destination, tuple(hashes), allow_partial, answer_when_started
+        )
         reply = await self._call(self._stub.TransferKV, convert.transfer_to_pb(record), timeout)
         return convert.transfer_result_from_pb(reply)
 

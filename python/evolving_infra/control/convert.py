@@ -102,6 +102,7 @@ def transfer_to_pb(r: TransferRequest) -> pb.TransferKVRequest:
         destination=location_to_pb(r.destination),
         hashes=r.hashes,
         allow_partial=r.allow_partial,
+        answer_when_started=r.answer_when_started,
     )
 
 
@@ -113,6 +114,7 @@ def transfer_from_pb(m: pb.TransferKVRequest) -> TransferRequest:
         location_from_pb(m.destination, "TransferKV destination"),
         tuple(m.hashes),
         m.allow_partial,
+        m.answer_when_started,
     )
 
 

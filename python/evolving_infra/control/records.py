@@ -136,6 +136,8 @@ class TransferRequest:
     destination: KvLocation
     hashes: tuple[int, ...]
     allow_partial: bool = False
+    # Answer once the pull has begun (the proto's comment); the destination's prefills wait.
+    answer_when_started: bool = False
 
     def __post_init__(self) -> None:
         check_hashes("TransferKV", self.hashes)

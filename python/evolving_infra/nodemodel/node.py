@@ -353,7 +353,7 @@ class Node:
             batch.append((r, u))
             pairs.append((u, r.prompt_tokens - r.remaining))
             budget -= u
-            wait = max(wait, r.fetch_ready - now)
+            wait = max(wait, r.fetch_ready - now, r.ready_floor - now)
         while budget > 0 and self.queue:
             r = self.queue[0]
             # A head that does not fit with nothing running may be blocked by the prefetches
@@ -368,7 +368,7 @@ class Node:
             batch.append((r, u))
             pairs.append((u, r.prompt_tokens - r.remaining))
             budget -= u
-            wait = max(wait, r.fetch_ready - now)
+            wait = max(wait, r.fetch_ready - now, r.ready_floor - now)
         if not batch:
             return  # idle, or the head waits for KV: `kick` retries when KV is released
         compute = self.env.truth.prefill_time(pairs)

@@ -45,6 +45,7 @@ class SimRequest:
         "prefill_done",
         "prefill_node",
         "prompt_tokens",
+        "ready_floor",
         "remaining",
         "res_d",
         "res_p",
@@ -73,6 +74,10 @@ class SimRequest:
         self.uncached = self.remaining = 0
         self.pred_s = 0.0
         self.fetch_ready = 0.0
+        # The earliest its prefill may start: blocks it counts as cached that a move begun
+        # from outside the node model is still bringing in (the live engine's TransferKV
+        # answered when started, `engines/sim/service.py`). The simulator leaves it at 0.
+        self.ready_floor = 0.0
         self.prefetched = False
         # Early decode allocation: its decode node has reserved its KV (the prefill may run).
         self.bootstrapped = False

@@ -474,6 +474,9 @@ class RouterDaemon:
             out["samples"] = self.samples.snapshot()
         if self.planner is not None:
             out["switches"] = list(self.planner.switches)
+        puller = self.dispatcher.puller if self.dispatcher is not None else None
+        if isinstance(puller, ControlPuller):
+            out["kv_pulls"] = dict(puller.counts)
         return out
 
     def memory_stats(self) -> dict[str, Any]:

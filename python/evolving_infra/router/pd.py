@@ -228,7 +228,8 @@ class PdDispatcher:
         pull = None
         if self.puller is not None:
             pull = best_source(route.prefix(), placed.node, cached)
-            if pull is not None and not self._pays(pull, cached, t):
+            queue_s = next((n.queued_prefill_s for n in nodes if n.node == placed.node), 0.0)
+            if pull is not None and not self._pays(pull, cached, t, queue_s):
                 self.puller.skipped()
                 pull = None
             cached = cached if pull is None else pull.blocks
@@ -245,8 +246,9 @@ class PdDispatcher:
             placed.ttft_s,
         )
 
-    def _pays(self, pull: Pull, cached: int, prompt_tokens: int) -> bool:
-        """Whether pulling `pull` saves more prefill time than it costs (`kvpull.py`)."""
+    def _pays(self, pull: Pull, cached: int, prompt_tokens: int, queue_s: float = 0.0) -> bool:
+        """Whether pulling `pull` saves more prefill time than it costs, less the `queue_s`
+        the prefill waits in its engine's queue meanwhile (`kvpull.py`)."""
         assert self.puller is not None
         cost = self.puller.cost_s(pull.blocks - cached)
         if cost is None:
@@ -256,7 +258,7 @@ class PdDispatcher:
             u = max(prompt_tokens - min(blocks * self.page_size, prompt_tokens), 1)
             return self.model.predict_prefill_one(u, prompt_tokens - u)
 
-        return prefill_s(cached) - prefill_s(pull.blocks) > cost
+        return prefill_s(cached) - prefill_s(pull.blocks) > cost - max(queue_s, 0.0)
 
     def _decode_blocks(self, route: RouteRequest) -> int:
         """KV blocks the router counts for the request on its decode node: prompt and output
@@ -352,9 +354,9 @@ class PdDispatcher:
         self, p: EngineHandle, place: _Placement, hashes: Sequence[int], body: bytes
     ) -> None:
         """The prefill leg: the cached prefix pulled first, if another node holds more of it
-        (the engine queues the prefill once its decode side has claimed it, and would compute
-        what a pull still under way had not brought); meanwhile the decode engine admits the
-        request and waits for the room, as it would for a prefill queued behind others."""
+        (the engine answers once the move has begun, and its prefill waits until the blocks
+        are in: the move overlaps the wait in its queue); meanwhile the decode engine admits
+        the request and waits for the room, as it would for a prefill queued behind others."""
         if place.pull is not None and self.puller is not None:
             await self.puller.pull(p.node, place.pull, hashes)
         await self.transport.prefill(p, body)

@@ -358,9 +358,16 @@ class TransferKVRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
     ALLOW_PARTIAL_FIELD_NUMBER: _builtins.int
+    ANSWER_WHEN_STARTED_FIELD_NUMBER: _builtins.int
     allow_partial: _builtins.bool
     """False: if the source lacks any block, fail with NOT_FOUND and move nothing.
     True: move the blocks it has and list the others in `missing_hashes`.
+    """
+    answer_when_started: _builtins.bool
+    """A pull into a node (destination L1): answer once the move has begun, the blocks held there
+    and any prefill there waiting until they are in (`seconds`: how long that takes). A router
+    then queues the prefill at once, and the move overlaps its wait in the queue. False: answer
+    once the blocks are in.
     """
     @_builtins.property
     def source(self) -> Global___KvLocation: ...
@@ -379,10 +386,11 @@ class TransferKVRequest(_message.Message):
         destination: Global___KvLocation | None = ...,
         hashes: _abc.Iterable[_builtins.int] | None = ...,
         allow_partial: _builtins.bool = ...,
+        answer_when_started: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_partial", b"allow_partial", "destination", b"destination", "hashes", b"hashes", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_partial", b"allow_partial", "answer_when_started", b"answer_when_started", "destination", b"destination", "hashes", b"hashes", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

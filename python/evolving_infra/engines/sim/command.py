@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from dataclasses import replace
@@ -308,7 +309,9 @@ async def serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("engine_stopping", node=args.node_id, running=engine.active)
+    # What the pool did over the engine's life, for whoever reads the log after a run.
+    pool = dataclasses.asdict(engine.pool.counters) if engine.pool is not None else None
+    log.info("engine_stopping", node=args.node_id, running=engine.active, pool=pool)
     await grpc_server.stop(1.0)
     await engine.close()
     await runner.cleanup()

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +180,9 @@ class EngineCore:
         self._by_sim: dict[int, LiveRequest] = {}
         self._rooms: dict[int, _Room] = {}
         self._failed_rooms: dict[int, GenerateError] = {}
+        # Chains a TransferKV answered when started is still bringing into L1, by first block:
+        # (blocks, last block, simulated time they are in). `_ready_floor` reads them.
+        self._arriving: dict[int, list[tuple[int, int, float]]] = {}
         self._ids = itertools.count()
         self._changed = asyncio.Event()
         self._switching = False
@@ -271,6 +275,7 @@ class EngineCore:
         elif self.pool is not None and self.pool.up and hashes:
             live.task = self.loop.create_task(self._enqueue_after_pool(live))
         else:
+            sim.ready_floor = self._ready_floor(sim.hashes)
             node.enqueue(sim, now)
         return live
 
@@ -303,7 +308,34 @@ class EngineCore:
         if not self.node.accepting:
             self._hand_back(live)
             return
+        live.sim.ready_floor = self._ready_floor(live.sim.hashes)
         self.node.enqueue(live.sim, self.env.now)
+
+    def arriving(self, chain: Sequence[int], ready_at: float) -> None:
+        """A move of `chain` (a prompt's leading blocks, already stored in L1) that is in only
+        at simulated time `ready_at`: prefills whose prompt starts with it wait until then, as
+        the simulator's prefills wait for their fetches (`SimRequest.ready_floor`)."""
+        if not chain:
+            return
+        entry = (len(chain), chain[-1], ready_at)
+        self._arriving.setdefault(chain[0], []).append(entry)
+        delay = self.env.real_seconds(max(ready_at - self.env.now, 0.0))
+        self.loop.call_later(delay, self._arrived_chain, chain[0], entry)
+
+    def _arrived_chain(self, first: int, entry: tuple[int, int, float]) -> None:
+        entries = self._arriving.get(first)
+        if entries is not None:
+            entries.remove(entry)
+            if not entries:
+                del self._arriving[first]
+
+    def _ready_floor(self, hashes: Sequence[int]) -> float:
+        """The latest simulated time a move still under way brings in a prefix of `hashes`."""
+        entries = self._arriving.get(hashes[0]) if hashes else None
+        if not entries:
+            return 0.0
+        n = len(hashes)
+        return max((t for k, last, t in entries if k <= n and hashes[k - 1] == last), default=0.0)
 
     async def _pool_lookup(self, sim: SimRequest) -> tuple[int, int]:
         """(start, n): the prompt's first block past what this node holds in L1/L2, and how many
@@ -331,6 +363,7 @@ class EngineCore:
         if held > start:
             start, n = held, max(start + n - held, 0)
         self.pool.hold(sim.id, sim.hashes, start, n)
+        sim.ready_floor = self._ready_floor(sim.hashes)
         self.node.enqueue(sim, self.env.now)
 
     def _done(self, live: LiveRequest, error: GenerateError | None = None) -> None:

@@ -9,7 +9,10 @@ process: pyzmq and the Mooncake store cannot share the engine's process, docs/po
   not: the listener only records the latest wish per block (`want`) and wakes one flusher task,
   which sends puts, then removes, in batches. The latest wish wins, so a block demoted and
   dropped before a flush costs nothing. A remove refused under a reader's lease is retried
-  after `retry_real_s` unless the block came back meanwhile.
+  after `retry_real_s` unless the block came back meanwhile: by default the lease the master
+  gives under `cluster up` (`PoolMaster.lease_ttl_ms`, 1 s). A quarter of it, as before, sent
+  each refused block ~4 times: 150k-185k retries per prefill engine in a two-minute parity
+  run, through the same worker pipe as the puts other nodes' pulls wait for.
 - **Pool hits.** Before a prefill request is queued, the engine asks `lookup` for the prompt's
   blocks after what it holds in L1/L2: one `exists` call, then `fetch_batch` of the leading run
   found (the bytes really cross Mooncake's transport into this engine's worker). The run that
@@ -142,6 +145,11 @@ class PoolCounters:
     # Decode side: hand-offs whose real copy outlasted the modelled transfer (the request went
     # on at the modelled time; its room was released after the copy).
     transfer_copies_late: int = 0
+    # TransferKV from the pool or another node's L2 that found only part of the chain the
+    # router vouched for (the source's put not done yet, or evicted since): the prefill then
+    # computes the rest, and the router's placement counted those blocks as cached.
+    transfer_kv_short: int = 0
+    transfer_kv_blocks_missing: int = 0
 
 
 def _leading(flags: Sequence[bool]) -> int:
@@ -164,7 +172,7 @@ class EnginePool:
         l2_blocks: Callable[[], Collection[int]],
         *,
         batch: int = 128,
-        retry_real_s: float = 0.25,
+        retry_real_s: float = 1.0,
         reconnect_real_s: float = 2.0,
     ) -> None:
         self.config = config
@@ -530,6 +538,9 @@ class EnginePool:
         if n is None:
             self._fallback("transfer_kv", self.last_error or "the pool is down")
             return None
+        if n < len(hashes):
+            self.counters.transfer_kv_short += 1
+            self.counters.transfer_kv_blocks_missing += len(hashes) - n
         if n:
             self._spawn(self._fetch_beside("transfer_kv", list(hashes[:n]), transfer=True))
         return n
