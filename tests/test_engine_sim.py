@@ -298,3 +298,22 @@ def test_a_pull_answered_when_started_holds_the_blocks_and_its_prefills_wait() -
         assert e.env.now >= start + got.seconds  # the prefill waited for the move
 
     run(test, settings(transfer_latency=latency))
+
+
+def test_held_counts_the_leading_blocks_and_refuses_bad_input() -> None:
+    """`POST /_sim/held`, which a peer's TransferKV asks when the pool lags this node's L2."""
+
+    async def test(r: Running) -> None:
+        ids = prompt(4, 8 * PAGE)
+        hashes = block_hashes(ids, PAGE)
+        assert await r.post("/_sim/held", {"hashes": hashes}) == (200, {"held": 0})
+        status, _ = await r.post("/generate", gen(ids, 1))
+        assert status == 200
+        assert await r.post("/_sim/held", {"hashes": hashes}) == (200, {"held": len(hashes)})
+        assert await r.post("/_sim/held", {"hashes": [hashes[1]]}) == (200, {"held": 0})
+        for bad in ({"hashes": "x"}, {"hashes": [1.5]}, {"hashes": [2**64]}, {}, [1]):
+            status, body = await r.post("/_sim/held", bad)
+            assert status == 400, (bad, body)
+            assert body["error"]["message"]
+
+    run(test)

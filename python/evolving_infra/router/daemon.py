@@ -260,7 +260,9 @@ class RouterDaemon:
             max_queue_wait_s=cfg.max_queue_wait,
             migration_limit=cfg.migration_limit,
             # The planner's map of control clients: the same dict, kept current as engines join.
-            puller=ControlPuller(self.planner.clients) if cfg.kv_pull else None,
+            puller=ControlPuller(self.planner.clients, self._transfer_address)
+            if cfg.kv_pull
+            else None,
         )
         self.metrics.watch_engines(self.engine_views)
         self.metrics.watch_planner(self.planner_view)
@@ -464,6 +466,14 @@ class RouterDaemon:
             switches_failed=len(p.switches) - ok,
             last_decision_unix=p.last_decision_unix,
         )
+
+    def _transfer_address(self, node: int) -> str:
+        """A node's KV transfer address, its PD bootstrap host:port ("" if unknown)."""
+        e = self.registry.engines.get(node)
+        if e is None or not e.bootstrap_host:
+            return ""
+        host = f"[{e.bootstrap_host}]" if ":" in e.bootstrap_host else e.bootstrap_host
+        return f"{host}:{e.bootstrap_port}"
 
     def status(self) -> dict[str, Any]:
         """Counters for logs and tests: ingestion, planner, engines."""

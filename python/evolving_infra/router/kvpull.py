@@ -32,7 +32,7 @@ holds (most pulls before this rule: parity, 2-core VM).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -123,6 +123,9 @@ class ControlPuller:
     grows as engines join). Never raises: a failed pull is counted and logged."""
 
     clients: Mapping[int, EngineClient]
+    # A node's KV transfer address ("host:port", its PD bootstrap address), named in the
+    # request so that the engine can ask the source itself (`KvLocation.address`).
+    address: Callable[[int], str] = lambda node: ""
     timeout_s: float = PULL_TIMEOUT_S
     counts: dict[str, int] = field(
         default_factory=lambda: {"ok": 0, "failed": 0, "skipped": 0, "blocks": 0}
@@ -143,7 +146,7 @@ class ControlPuller:
         started = time.monotonic()
         try:
             result = await client.transfer_kv(
-                KvLocation(pull.tier, pull.source),
+                KvLocation(pull.tier, pull.source, self.address(pull.source)),
                 KvLocation("L1", dest),
                 hashes[: pull.blocks],
                 allow_partial=True,

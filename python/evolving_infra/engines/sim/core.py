@@ -329,6 +329,10 @@ class EngineCore:
             if not entries:
                 del self._arriving[first]
 
+    def held_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` this node holds in L1 or L2."""
+        return self.directory.match(hashes).node(self.settings.node_id)[1] if hashes else 0
+
     def _ready_floor(self, hashes: Sequence[int]) -> float:
         """The latest simulated time a move still under way brings in a prefix of `hashes`."""
         entries = self._arriving.get(hashes[0]) if hashes else None

@@ -17,6 +17,9 @@
   blocks offered there) and `POST /_sim/kv/{room}/release`: the simulated KV bootstrap between
   a prefill and a decode engine (see `core.py`); the prefill engine's bootstrap port is its
   HTTP port.
+- `POST /_sim/held` (`{"hashes": [...]}` -> `{"held": n}`): how many leading blocks of the chain
+  this node holds in L1 or L2, for a peer's `TransferKV` from this node's L2 that the pool's
+  copy lags (`service.py`).
 Errors are `{"error": {"message"}}` with status 400 (bad input), 503 (overloaded or draining:
 retry elsewhere), 502/504 (the KV pull failed); a handler's bug is a 500, never a dead server.
 """
@@ -336,6 +339,18 @@ async def kv_blocks(request: web.Request) -> web.Response:
     return web.json_response({"pool_blocks": blocks})
 
 
+async def held(request: web.Request) -> web.Response:
+    body = await _body(request)
+    hashes = body.get("hashes")
+    if not isinstance(hashes, list) or not all(type(h) is int for h in hashes):
+        raise BadRequestError("hashes must be a list of block hashes (ints)")
+    try:
+        n = request.app[ENGINE].held_blocks(hashes)
+    except (ValueError, OverflowError) as e:  # a hash outside the signed 64-bit range
+        raise BadRequestError(f"hashes: {e}") from None
+    return web.json_response({"held": n})
+
+
 async def kv_release(request: web.Request) -> web.Response:
     released = request.app[ENGINE].release_room(_room(request))
     return web.json_response({"released": released}, status=200 if released else 404)
@@ -355,4 +370,5 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/_sim/kv/{room}", kv_poll)
     app.router.add_get("/_sim/kv/{room}/blocks", kv_blocks)
     app.router.add_post("/_sim/kv/{room}/release", kv_release)
+    app.router.add_post("/_sim/held", held)
     return app

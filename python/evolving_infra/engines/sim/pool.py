@@ -150,6 +150,10 @@ class PoolCounters:
     # computes the rest, and the router's placement counted those blocks as cached.
     transfer_kv_short: int = 0
     transfer_kv_blocks_missing: int = 0
+    # ... of which the source node said it held more in its L2 (`service.py`): counted as
+    # moved in the model, their bytes not copied.
+    transfer_kv_from_peer: int = 0
+    transfer_kv_peer_blocks: int = 0
 
 
 def _leading(flags: Sequence[bool]) -> int:

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 
+import aiohttp
+
 from evolving_infra.control.errors import (
     CapacityError,
     DrainTimeoutError,
@@ -35,6 +37,8 @@ from evolving_infra.control.records import (
 from evolving_infra.control.server import EngineControlService
 from evolving_infra.engines.sim.core import VERSION, EngineCore, log
 from evolving_infra.timing.samples import Sample
+
+PEER_TIMEOUT_S = 2.0  # asking another engine what it holds (`_peer_held`)
 
 
 class SimEngine(EngineCore, EngineControlService):
@@ -119,6 +123,24 @@ class SimEngine(EngineCore, EngineControlService):
             l2_blocks_kept=self.kv.l2_held,
         )
 
+    async def _peer_held(self, address: str, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` the engine at `address` (its bootstrap, i.e.
+        HTTP, host:port) holds in L1 or L2; 0 when it cannot say."""
+        http = self._http
+        if http is None:
+            return 0
+        try:
+            timeout = aiohttp.ClientTimeout(total=PEER_TIMEOUT_S)
+            async with http.post(
+                f"http://{address}/_sim/held", json={"hashes": hashes}, timeout=timeout
+            ) as r:
+                body = await r.json(content_type=None)
+            held = body.get("held") if r.status == 200 and isinstance(body, dict) else None
+            return held if isinstance(held, int) else 0
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.info("peer_held_failed", address=address, error=str(e))
+            return 0
+
     async def transfer_kv(self, request: TransferRequest) -> TransferResult:
         """Pulls a chain (from its first page) into this node's L1: from its own L2, or from
         another node or the pool, whose holdings the caller vouches for (the router's
@@ -138,6 +160,16 @@ class SimEngine(EngineCore, EngineControlService):
             if self.pool is not None and src.tier != "L1":  # the pool, or an L2 kept in it
                 found = await self.pool.fetch_chain(hashes[l1:])  # None: the pool failed
                 available = available if found is None else l1 + found
+                if src.tier == "L2" and src.address and available < len(hashes):
+                    # The pool's copy of a node's L2 is put beside the model, after the block
+                    # reached that L2 (and the router heard of it): a pull soon after can find
+                    # it missing. The node's host memory holds it, as the simulator's reach
+                    # says: asked, the node's count stands (its bytes are not copied).
+                    peer = await self._peer_held(src.address, hashes)
+                    if peer > available:
+                        self.pool.counters.transfer_kv_from_peer += 1
+                        self.pool.counters.transfer_kv_peer_blocks += peer - available
+                        available = peer
         missing = hashes[available:]
         if missing:
             # The router's directory vouched for blocks the source did not have (yet, or any
