@@ -305,7 +305,7 @@ class PdDispatcher:
         return dataclasses.replace(
             req,
             token_ids=ids,
-            block_hashes=tuple(block_hashes(list(ids), self.page_size)),
+            block_hashes=tuple(block_hashes(ids, self.page_size)),  # the tuple read in place
             sampling=dataclasses.replace(req.sampling, max_tokens=budget),
             arrival=time.monotonic(),  # the router's own time is counted from here
             # A new request to the engines: the broken attempt may still be winding down on

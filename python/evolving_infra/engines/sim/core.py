@@ -275,8 +275,7 @@ class EngineCore:
         elif self.pool is not None and self.pool.up and hashes:
             live.task = self.loop.create_task(self._enqueue_after_pool(live))
         else:
-            sim.ready_floor = self._ready_floor(sim.hashes)
-            node.enqueue(sim, now)
+            self._queue_prefill(sim, now)
         return live
 
     async def _enqueue_when_claimed(self, live: LiveRequest, room: _Room) -> None:
@@ -308,8 +307,7 @@ class EngineCore:
         if not self.node.accepting:
             self._hand_back(live)
             return
-        live.sim.ready_floor = self._ready_floor(live.sim.hashes)
-        self.node.enqueue(live.sim, self.env.now)
+        self._queue_prefill(live.sim, self.env.now)
 
     def arriving(self, chain: Sequence[int], ready_at: float) -> None:
         """A move of `chain` (a prompt's leading blocks, already stored in L1) that is in only
@@ -345,7 +343,7 @@ class EngineCore:
         """(start, n): the prompt's first block past what this node holds in L1/L2, and how many
         blocks from there the shared pool holds (0 on any pool failure)."""
         assert self.pool is not None
-        start = self.directory.match(sim.hashes).node(self.settings.node_id)[1]
+        start = self.held_blocks(sim.hashes)
         return start, await self.pool.lookup(sim.hashes[start:])
 
     async def _enqueue_after_pool(
@@ -363,12 +361,16 @@ class EngineCore:
             self._hand_back(live)  # a switch began: as for the requests already queued
             return
         # A pull may have landed since the lookup: the pool's run starts past what is held.
-        held = self.directory.match(sim.hashes).node(self.settings.node_id)[1]
+        held = self.held_blocks(sim.hashes)
         if held > start:
             start, n = held, max(start + n - held, 0)
         self.pool.hold(sim.id, sim.hashes, start, n)
+        self._queue_prefill(sim, self.env.now)
+
+    def _queue_prefill(self, sim: SimRequest, now: float) -> None:
+        """Queues `sim` for prefill, no earlier than a move under way brings in its prefix."""
         sim.ready_floor = self._ready_floor(sim.hashes)
-        self.node.enqueue(sim, self.env.now)
+        self.node.enqueue(sim, now)
 
     def _done(self, live: LiveRequest, error: GenerateError | None = None) -> None:
         now = self.env.now
