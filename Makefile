@@ -15,7 +15,7 @@ SYSTEM_DEPS := PYTHON=$(PYTHON) scripts/system-deps.sh
 
 .DEFAULT_GOAL := help
 .PHONY: help system-deps-build system-deps-test venv build demo demo-directory test test-rust \
-	test-py lint proto fmt bench bench-rust bench-py bench-dynamo soak parity sglang fuzz clean
+	test-py lint proto fmt bench bench-rust bench-py bench-dynamo bench-peer soak parity sglang fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -62,16 +62,19 @@ demo-directory: build ## replay the bundled Claude Code traces into the KV direc
 
 test: system-deps-test lint test-rust test-py ## everything CI runs: lint (clippy, stubtest, mypy, ruff), cargo tests, pytest
 
-test-rust: system-deps-test ## cargo tests (unit, property, golden)
+test-rust: system-deps-test ## cargo tests (unit, property, golden; Dynamo's indexers answer as ours)
 	cargo test --workspace --exclude kvdir-py --all-targets
 	cargo test -p kvdir-py --lib alloc  # the bindings' one Rust test: their allocator
+	cargo test $(PEER)
 
 test-py: system-deps-test build $(SGLANG) ## pytest (the SGLang backend's tests included: `pytest -m sglang`)
 	$(VENV)/bin/pytest -q
 
 lint: system-deps-test build ## clippy, rustfmt --check, stubtest, mypy --strict, ruff
 	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy $(PEER) --all-targets -- -D warnings
 	cargo fmt --all --check
+	cargo fmt --manifest-path rust/peer-bench/Cargo.toml --check
 	$(PY) -m mypy.stubtest evolving_infra._core --allowlist python/stubtest-allowlist.txt
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy benches
@@ -83,6 +86,7 @@ proto: $(STAMP) ## regenerate the engine-control gRPC code from proto/ (commit t
 
 fmt: $(STAMP) ## format Rust and Python
 	cargo fmt --all
+	cargo fmt --manifest-path rust/peer-bench/Cargo.toml
 	$(VENV)/bin/ruff format python tests benches
 	$(VENV)/bin/ruff check --fix python tests benches
 
@@ -119,13 +123,20 @@ fuzz: ## fuzz the SGLang event decoder and directory operations, FUZZ_SECONDS (6
 	cd rust/kvdir && cargo +nightly fuzz run directory_ops -- \
 		-max_total_time=$(FUZZ_SECONDS) -max_len=1024
 
-bench: bench-rust bench-py bench-dynamo ## all benchmarks (figures printed; nothing asserted on time)
+bench: bench-rust bench-py bench-dynamo bench-peer ## all benchmarks (figures printed; nothing asserted on time)
 
 bench-rust: ## criterion benchmarks of the core crate (1M blocks x 1,000 nodes)
 	cargo bench -p kvdir --bench directory
 
 bench-py: build ## pytest-benchmark of the Python API
 	$(VENV)/bin/pytest benches -m bench --benchmark-only -p no:randomly
+
+# The side-by-side crate is outside the workspace (Dynamo's crate and its tokio stack stay out of
+# the workspace's lock and builds); it shares the workspace's target directory.
+PEER = --manifest-path rust/peer-bench/Cargo.toml --target-dir target
+
+bench-peer: ## natively, our directory against Dynamo's RadixTree, CRTC and PositionalIndexer (dynamo-kv-router 1.6.1); writes target/peer-bench.json
+	PEER_BENCH_COMMIT=$$(git rev-parse --short HEAD 2>/dev/null) cargo bench $(PEER) --bench peer
 
 bench-dynamo: build ## side by side with NVIDIA Dynamo's RadixTree (ai-dynamo-runtime 1.6.1, the `bench` extra)
 	OPENBLAS_NUM_THREADS=1 $(PY) benches/compare_dynamo.py
