@@ -79,6 +79,26 @@ BUILD_OURS = (
 )
 ROOT = Path(__file__).resolve().parent.parent
 
+#: The workloads' shapes (`workload.generate`'s arguments). `shared` is notes §4.1's; `forks` has
+#: other chain lengths, fan-out and sharing: agents forking long shared histories over more workers.
+WORKLOADS: dict[str, dict[str, object]] = {
+    "shared": {
+        "n_workers": 64,
+        "n_sequences": 2_000,
+        "seq_len": 100,
+        "n_queries": 10_000,
+        "n_appends": 20_000,
+    },
+    "forks": {
+        "n_workers": 256,
+        "n_sequences": 800,
+        "seq_len": 300,
+        "n_queries": 5_000,
+        "n_appends": 10_000,
+        "share": (0.6, 1.0),
+    },
+}
+
 
 def load_radix_tree() -> Any:
     """Dynamo's `RadixTree` class, or exit with install instructions."""
@@ -453,6 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, default=None, help="queries (default 10,000)")
     ap.add_argument("--json", dest="json_out", type=Path, default=None, help="write figures here")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="shared",
+        help="shared: 64 workers, 100-block chains, random sharing (notes §4.1); "
+        "forks: 256 workers, 300-block chains, each forking an earlier one at 60-100%% of it",
+    )
     ap.add_argument("--no-pin", action="store_true", help="do not pin to one core")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
@@ -473,14 +500,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     radix_tree_cls = load_radix_tree()
     kv_directory_cls = load_kv_directory()
 
+    shape = dict(WORKLOADS[opts.workload])
     if opts.quick:
-        sizes = {"n_sequences": 400, "n_queries": 2_000, "n_appends": 4_000}
-    else:
-        sizes = {"n_sequences": 2_000, "n_queries": 10_000, "n_appends": 20_000}
+        for k in ("n_sequences", "n_queries", "n_appends"):
+            shape[k] = max(1, int(shape[k]) // 5)
     if opts.queries is not None:
-        sizes["n_queries"] = opts.queries
+        shape["n_queries"] = opts.queries
     t_gen = time.perf_counter()
-    w = generate(opts.seed, n_workers=64, **sizes)
+    w = generate(opts.seed, **shape)  # type: ignore[arg-type]
     inp = prepare(w)
     t_gen = time.perf_counter() - t_gen
     n_floor = len(w.queries)
@@ -667,6 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "python": platform.python_version(),
             "dynamo_version": dynamo_version(),
             "workload": {
+                "name": opts.workload,
                 "workers": w.n_workers,
                 "store_events": len(w.stores),
                 "stored_blocks": w.stored_blocks,

@@ -139,6 +139,7 @@ def generate(
     seq_len: int = 100,
     n_queries: int = 10_000,
     n_appends: int = 20_000,
+    share: tuple[float, float] = (0.0, 1.0),
 ) -> Workload:
     """Generate the workload (see the module docstring). Sizes default to notes §4.1."""
     rng = random.Random(seed)
@@ -153,7 +154,8 @@ def generate(
             base: Chain | None = None
         else:
             base = sequences[rng.randrange(i)]
-            shared = rng.randint(0, seq_len - 1)
+            lo, hi = int(share[0] * seq_len), max(int(share[0] * seq_len), int(share[1] * seq_len) - 1)
+            shared = rng.randint(lo, hi)
         worker = rng.randrange(n_workers)
         tokens = list(base.tokens[:shared]) if base is not None else []
         hashes = list(base.hashes[:shared]) if base is not None else []

@@ -300,8 +300,22 @@ impl Directory {
         };
         let mut prev = parent_idx;
         let mut known = 0;
+        let mut in_slab = false;
         for (i, &h) in hashes.iter().enumerate() {
-            self.blocks.prefetch_walk(hashes, i);
+            // A known chain is usually in consecutive slots (`next_in_slab`): no look-up.
+            if prev != NIL {
+                if let Some(idx) = self.blocks.next_in_slab(prev, h) {
+                    in_slab = true;
+                    slots.push(idx);
+                    prev = idx;
+                    known += 1;
+                    continue;
+                }
+            }
+            if !in_slab {
+                self.blocks.prefetch_walk(hashes, i);
+            }
+            in_slab = false;
             let Some(idx) = self.blocks.find(h) else {
                 break;
             };
@@ -450,7 +464,14 @@ impl Directory {
         let mut indexed = true;
         for i in 0..hashes.len() {
             let current = next;
-            next = hashes.get(i + 1).and_then(|&h| self.blocks.find(h));
+            // Leaf first, the next hash is usually the current block's parent: read from its
+            // record, not looked up in the index.
+            next = hashes.get(i + 1).and_then(|&h| {
+                current
+                    .map(|c| self.blocks.get(c).parent)
+                    .filter(|&p| p != NIL && self.blocks.get(p).hash == h)
+                    .or_else(|| self.blocks.find(h))
+            });
             let Some(idx) = current else {
                 indexed = true;
                 continue;

@@ -162,8 +162,21 @@ impl Directory {
     /// Slab indices of the leading query blocks that are known and chained by parent links.
     fn walk<'a>(&'a self, hashes: &'a [BlockHash]) -> impl Iterator<Item = u32> + 'a {
         let mut prev = NIL;
+        // While each next block sits in the slot after its parent, the index is not read, so
+        // hinting its lines ahead would only spend memory bandwidth.
+        let mut in_slab = false;
         hashes.iter().enumerate().map_while(move |(i, &h)| {
-            self.blocks.prefetch_walk(hashes, i);
+            if prev != NIL {
+                if let Some(next) = self.blocks.next_in_slab(prev, h) {
+                    in_slab = true;
+                    prev = next;
+                    return Some(next);
+                }
+            }
+            if !in_slab {
+                self.blocks.prefetch_walk(hashes, i);
+            }
+            in_slab = false;
             let next = self
                 .blocks
                 .find(h)

@@ -285,6 +285,20 @@ impl Blocks {
         self.slab.len()
     }
 
+    /// The live block in the slot after `idx` if it is `hash`'s child of `idx`: a chain stored
+    /// in one event fills consecutive slots (freed slots are reused last freed first, and
+    /// chains leave leaf first, so a reused run comes back in chain order too), so a walk down
+    /// a chain finds each next block here without a look-up in the index, reading the records
+    /// in address order.
+    #[inline]
+    pub(crate) fn next_in_slab(&self, idx: u32, hash: BlockHash) -> Option<u32> {
+        let next = idx.checked_add(1)?;
+        self.slab
+            .get(next as usize)
+            .filter(|b| b.hash == hash && b.parent == idx && b.depth != FREED)
+            .map(|_| next)
+    }
+
     pub(crate) fn is_live(&self, idx: u32) -> bool {
         self.slab
             .get(idx as usize)
