@@ -81,7 +81,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The workloads' shapes (`workload.generate`'s arguments). `shared` is notes §4.1's; `forks` has
 #: other chain lengths, fan-out and sharing: agents forking long shared histories over more workers.
-WORKLOADS: dict[str, dict[str, object]] = {
+WORKLOADS: dict[str, dict[str, Any]] = {
     "shared": {
         "n_workers": 64,
         "n_sequences": 2_000,
@@ -507,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.queries is not None:
         shape["n_queries"] = opts.queries
     t_gen = time.perf_counter()
-    w = generate(opts.seed, **shape)  # type: ignore[arg-type]
+    w = generate(opts.seed, **shape)
     inp = prepare(w)
     t_gen = time.perf_counter() - t_gen
     n_floor = len(w.queries)

@@ -154,8 +154,8 @@ def generate(
             base: Chain | None = None
         else:
             base = sequences[rng.randrange(i)]
-            lo, hi = int(share[0] * seq_len), max(int(share[0] * seq_len), int(share[1] * seq_len) - 1)
-            shared = rng.randint(lo, hi)
+            lo = int(share[0] * seq_len)
+            shared = rng.randint(lo, max(lo, int(share[1] * seq_len) - 1))
         worker = rng.randrange(n_workers)
         tokens = list(base.tokens[:shared]) if base is not None else []
         hashes = list(base.hashes[:shared]) if base is not None else []

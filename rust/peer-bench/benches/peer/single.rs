@@ -52,6 +52,17 @@ fn apply_events(idx: &mut dyn Index, events: &[&Op], ops: &mut BTreeMap<&'static
     ops.entry("events").or_default().merge(&all);
 }
 
+/// Heap bytes `idx` holds after the events before `w.memory_at` (nothing timed).
+pub fn memory_only(idx: &mut dyn Index, w: &Workload) -> isize {
+    let build: Vec<&Op> = w.ops[..w.memory_at]
+        .iter()
+        .filter(|o| !matches!(o, Op::Query { .. }))
+        .collect();
+    let base = live_bytes();
+    idx.apply_batch(&build, &mut Clock::default());
+    live_bytes() - base
+}
+
 /// Builds the index from empty with the events before `w.memory_at`, reads its memory, answers
 /// every query, then applies the remaining events.
 pub fn run(idx: &mut dyn Index, w: &Workload) -> Single {
