@@ -463,6 +463,9 @@ impl Directory {
         let mut next = hashes.first().and_then(|&h| self.blocks.find(h));
         let mut indexed = true;
         for i in 0..hashes.len() {
+            // A block that leaves the directory leaves the index too (`drop_block`): hint the
+            // index's lines for the blocks ahead, whose look-ups would each wait on memory.
+            self.blocks.prefetch_walk(hashes, i);
             let current = next;
             // Leaf first, the next hash is usually the current block's parent: read from its
             // record, not looked up in the index.

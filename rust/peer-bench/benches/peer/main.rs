@@ -17,7 +17,8 @@
 //! prints the tables and writes `target/peer-bench.json`:
 //! `{"workload": {"op": {"ours_ns": mean, "dynamo": {"RadixTree": mean, "CRTC": .., "Positional": ..},
 //! "detail": {...}}}}` (ns per operation). Options after `--`: `--quick` (small sizes, a smoke
-//! run), `--only NAME[,NAME]`, `--json PATH`, `--trace PATH` (a Mooncake trace, `.jsonl[.xz]`).
+//! run), `--only NAME[,NAME]` (workloads), `--indexes NAME[,NAME]` (to profile one; ours always
+//! runs, as the reference answers), `--json PATH`, `--trace PATH` (a Mooncake trace, `.jsonl[.xz]`).
 
 mod alloc;
 mod indexers;
@@ -47,6 +48,7 @@ fn dynamo_seq(parent: Option<u64>, local: u64) -> u64 {
 struct Args {
     quick: bool,
     only: Option<Vec<String>>,
+    indexes: Option<Vec<String>>,
     json: PathBuf,
     trace: PathBuf,
 }
@@ -56,6 +58,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         quick: false,
         only: None,
+        indexes: None,
         json: root.join("target/peer-bench.json"),
         trace: root.join("data/traces/mooncake/conversation_trace.jsonl.xz"),
     };
@@ -67,6 +70,10 @@ fn parse_args() -> Result<Args, String> {
                 let v = it.next().ok_or("--only needs NAME[,NAME]")?;
                 args.only = Some(v.split(',').map(str::to_owned).collect());
             }
+            "--indexes" => {
+                let v = it.next().ok_or("--indexes needs NAME[,NAME]")?;
+                args.indexes = Some(v.split(',').map(str::to_owned).collect());
+            }
             "--json" => args.json = it.next().ok_or("--json needs a path")?.into(),
             "--trace" => args.trace = it.next().ok_or("--trace needs a path")?.into(),
             // cargo bench passes --bench; a filter word may follow it
@@ -74,7 +81,8 @@ fn parse_args() -> Result<Args, String> {
             "--help" | "-h" => {
                 return Err(String::from(
                     "usage: cargo bench --manifest-path rust/peer-bench/Cargo.toml -- \
-                 [--quick] [--only compare-dynamo,mooncake,cluster] [--json PATH] [--trace PATH]",
+                 [--quick] [--only compare-dynamo,mooncake,cluster] [--indexes ours,RadixTree,CRTC,Positional] \
+                 [--json PATH] [--trace PATH]",
                 ))
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
@@ -135,7 +143,7 @@ fn main() -> ExitCode {
     };
     let mut results = Vec::new();
     for w in &ws {
-        match report::measure(w) {
+        match report::measure(w, args.indexes.as_deref()) {
             Ok(r) => {
                 report::print(w, &r);
                 results.push(r);

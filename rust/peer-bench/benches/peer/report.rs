@@ -43,11 +43,25 @@ fn make(name: &str) -> Box<dyn Index> {
 }
 
 /// Measures every index on `w`; an answer that differs from ours is an error.
-pub fn measure(w: &Workload) -> Result<WorkloadResult, String> {
+///
+/// `indexes` limits the Dynamo indexes run (ours always runs: its answers are the reference);
+/// the others' figures are then left empty.
+pub fn measure(w: &Workload, indexes: Option<&[String]>) -> Result<WorkloadResult, String> {
     let held = w.held_after(w.memory_at);
     let mut by_index = Vec::new();
     let mut reference: Option<Vec<crate::indexers::Answer>> = None;
     for name in NAMES {
+        if name != "ours" && indexes.is_some_and(|x| !x.iter().any(|n| n == name)) {
+            by_index.push(IndexResult {
+                single: BTreeMap::new(),
+                bytes_per_block: f64::NAN,
+                two: two::Two {
+                    events: OpStats::default(),
+                    matched: OpStats::default(),
+                },
+            });
+            continue;
+        }
         let mut idx = make(name);
         eprintln!("{}: {}, one thread", w.name, idx.name());
         let mut s = single::run(idx.as_mut(), w);
