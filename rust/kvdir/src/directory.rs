@@ -146,7 +146,7 @@ impl Directory {
         match self.blocks.find(hash) {
             Some(idx) => {
                 let p = self.blocks.get(idx).parent;
-                Some((p != NIL).then(|| self.blocks.get(p).hash))
+                Some((p != NIL).then(|| self.blocks.hash(p)))
             }
             None => overlay.and_then(|o| o.get(&hash).copied()),
         }
@@ -472,7 +472,7 @@ impl Directory {
             next = hashes.get(i + 1).and_then(|&h| {
                 current
                     .map(|c| self.blocks.get(c).parent)
-                    .filter(|&p| p != NIL && self.blocks.get(p).hash == h)
+                    .filter(|&p| p != NIL && self.blocks.hash(p) == h)
                     .or_else(|| self.blocks.find(h))
             });
             let Some(idx) = current else {
@@ -555,7 +555,7 @@ impl Directory {
                 // Evicting walks a chain up from its leaf. This block leaves the index (its last
                 // holder goes), so its parent, likely popped next, probably will too: hint the
                 // parent's bucket now. (Where blocks stay held elsewhere, the hint is a waste.)
-                self.blocks.prefetch_hash(self.blocks.get(b.parent).hash);
+                self.blocks.prefetch_hash(self.blocks.hash(b.parent));
             }
             self.remove_holder_in_chain(key.idx, place, false, true, demoted);
             if !demoted {
@@ -608,8 +608,8 @@ impl Directory {
             self.blocks.with_holders(idx, HolderList::shrink_to_fit);
             let b = self.blocks.get(idx);
             out.push((
-                b.hash,
-                (b.parent != NIL).then(|| self.blocks.get(b.parent).hash),
+                self.blocks.hash(idx),
+                (b.parent != NIL).then(|| self.blocks.hash(b.parent)),
             ));
         }
         Ok(out)

@@ -75,7 +75,13 @@ impl Directory {
 
     pub(crate) fn key(&self, idx: u32, holder: &Holder) -> EvKey {
         let b = self.blocks.get(idx);
-        EvKey::new(b.refcount > 0, holder.time, b.depth, b.hash, idx)
+        EvKey::new(
+            b.refcount > 0,
+            holder.time,
+            b.depth,
+            self.blocks.hash(idx),
+            idx,
+        )
     }
 
     fn index(&mut self, place: Place, key: EvKey) {

@@ -31,16 +31,21 @@ impl Directory {
         let mut held: HashMap<Place, u64> = HashMap::new();
         let mut orphans: HashMap<Place, u64> = HashMap::new();
         self.for_each_block(|idx, b| {
+            let hash = self.blocks.hash(idx);
+            assert_eq!(self.blocks.find(hash), Some(idx), "table entry of {hash}");
             assert_eq!(
-                self.blocks.find(b.hash),
-                Some(idx),
-                "table entry of {}",
-                b.hash
+                self.blocks.chained(idx),
+                b.parent != NIL && b.parent + 1 == idx,
+                "chained flag of {hash}"
+            );
+            assert_eq!(
+                self.blocks.held(idx),
+                !b.holders.is_empty(),
+                "held flag of {hash}"
             );
             assert!(
                 !b.holders.is_empty() || b.refcount > 0 || b.first_child != NIL,
-                "garbage block {} survived",
-                b.hash
+                "garbage block {hash} survived"
             );
             assert!(
                 b.holders.windows(2).all(|w| w[0].place < w[1].place),
@@ -48,8 +53,7 @@ impl Directory {
             );
             assert!(
                 b.holders.is_tight(),
-                "holders of {} keep spare room between calls",
-                b.hash
+                "holders of {hash} keep spare room between calls"
             );
             let parent = (b.parent != NIL).then(|| self.blocks.get(b.parent));
             let (mut full_l1, mut full_node) = (0, 0);
@@ -60,8 +64,7 @@ impl Directory {
                 assert_eq!(
                     h.root_tier(),
                     want_tier,
-                    "root_tier of {} at {:?}",
-                    b.hash,
+                    "root_tier of {hash} at {:?}",
                     h.place
                 );
                 let want_node = parent.is_none_or(|p| {
@@ -72,8 +75,7 @@ impl Directory {
                 assert_eq!(
                     h.root_node(),
                     want_node,
-                    "root_node of {} at {:?}",
-                    b.hash,
+                    "root_node of {hash} at {:?}",
                     h.place
                 );
                 full_l1 += u32::from(h.root_tier());
@@ -87,8 +89,7 @@ impl Directory {
                 assert_eq!(
                     h.held_children(),
                     n,
-                    "held_children of {} at {:?}",
-                    b.hash,
+                    "held_children of {hash} at {:?}",
                     h.place
                 );
                 *held.entry(h.place).or_default() += 1;
@@ -99,22 +100,20 @@ impl Directory {
                     expected.entry(h.place).or_default().push(self.key(idx, h));
                 }
             }
-            self.wide.check(idx, b);
+            self.wide.check(idx, hash, b);
             assert_eq!(
                 (b.full_l1, b.full_node),
                 (full_l1, full_node),
-                "full counts of {}",
-                b.hash
+                "full counts of {hash}"
             );
             if b.parent == NIL {
                 assert_eq!(b.depth, 0);
             } else {
                 let p = self.blocks.get(b.parent);
-                assert_eq!(b.depth, p.depth + 1, "depth of {}", b.hash);
+                assert_eq!(b.depth, p.depth + 1, "depth of {hash}");
                 assert!(
                     self.blocks.children(b.parent).any(|c| c == idx),
-                    "child link of {}",
-                    b.hash
+                    "child link of {hash}"
                 );
             }
         });
@@ -137,8 +136,7 @@ impl Directory {
             for &i in &b.context {
                 *refs.entry(i).or_default() += 1;
             }
-            let hashes: Vec<BlockHash> =
-                b.context.iter().map(|&i| self.blocks.get(i).hash).collect();
+            let hashes: Vec<BlockHash> = b.context.iter().map(|&i| self.blocks.hash(i)).collect();
             assert_eq!(b.hashes, hashes, "a branch's hashes are its context's");
         }
         self.for_each_block(|idx, b| {
@@ -146,7 +144,7 @@ impl Directory {
                 b.refcount,
                 refs.get(&idx).copied().unwrap_or(0),
                 "refcount of {}",
-                b.hash
+                self.blocks.hash(idx)
             );
         });
     }

@@ -159,31 +159,43 @@ impl PartialEq for PrefixMatch {
 impl Eq for PrefixMatch {}
 
 impl Directory {
-    /// Slab indices of the leading query blocks that are known and chained by parent links.
-    fn walk<'a>(&'a self, hashes: &'a [BlockHash]) -> impl Iterator<Item = u32> + 'a {
-        let mut prev = NIL;
-        // While each next block sits in the slot after its parent, the index is not read, so
-        // hinting its lines ahead would only spend memory bandwidth.
+    /// The leading query blocks that are known, held somewhere and chained by parent links.
+    ///
+    /// Along a chain in consecutive slots (`Blocks::chain_run`) the hashes are compared a chunk
+    /// at a time in the hash column; the index is read where a run ends (a fork, another event's
+    /// blocks). A block no place holds ends the walk: `match` counts nothing past it, and `touch`
+    /// stops at the first block its node does not hold.
+    fn walk(&self, hashes: &[BlockHash]) -> Path {
+        let mut path = Path::default();
+        let (mut prev, mut i) = (NIL, 0);
+        // After a run, the index is read once to go on: hinting its lines ahead would only
+        // spend memory bandwidth.
         let mut in_slab = false;
-        hashes.iter().enumerate().map_while(move |(i, &h)| {
+        while i < hashes.len() {
             if prev != NIL {
-                if let Some(next) = self.blocks.next_in_slab(prev, h) {
+                let run = self.blocks.chain_run(prev, &hashes[i..]);
+                if run > 0 {
+                    path.push(prev + 1, run);
+                    prev += run as u32;
+                    i += run;
                     in_slab = true;
-                    prev = next;
-                    return Some(next);
+                    if i == hashes.len() {
+                        break;
+                    }
                 }
             }
             if !in_slab {
                 self.blocks.prefetch_walk(hashes, i);
             }
             in_slab = false;
-            let next = self
-                .blocks
-                .find(h)
-                .filter(|&i| self.blocks.get(i).parent == prev)?;
+            let Some(next) = self.blocks.find_held_child(hashes[i], prev) else {
+                break;
+            };
+            path.push(next, 1);
             prev = next;
-            Some(next)
-        })
+            i += 1;
+        }
+        path
     }
 
     /// How much of the query chain (from its first page) each node, the pool and the cluster hold.
@@ -191,15 +203,12 @@ impl Directory {
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> PrefixMatch {
         // Look every block up before using any: a tight loop of independent look-ups keeps
         // several cache misses in flight, where the counting below would hold up the next one.
-        let path: SmallVec<[u32; 128]> = self.walk(hashes).collect();
-        let mut path = path.into_iter();
-        let Some((first_idx, first)) = path
-            .next()
-            .map(|i| (i, self.blocks.get(i)))
-            .filter(|(_, b)| !b.holders.is_empty())
-        else {
+        let path = self.walk(hashes);
+        if path.len() == 0 {
             return PrefixMatch::default();
-        };
+        }
+        let first_idx = path.slot(0);
+        let first = self.blocks.get(first_idx);
         // Every node with l12 > 0 holds the first block, and a first page is rooted wherever it is
         // held: its rooted nodes are the result's, ascending.
         let nodes = self.wide.rooted(Kind::Node, first_idx, first);
@@ -218,13 +227,27 @@ impl Directory {
         let has_l2 = |b: &Block| b.holders.iter().any(|h| h.place.tier() == Tier::L2);
         // Each L1 entry of a first page is rooted in its tier: the rest are L2 entries.
         let first_l2 = first.holders.len() > first.full_l1 as usize;
-        debug_assert_eq!(first_l2, has_l2(first), "first page {}", first.hash);
-        let (mut pool, mut depth) = (u32::from(first_l2), 1u32);
-        for idx in path {
+        debug_assert_eq!(first_l2, has_l2(first), "first page {first_idx}");
+        let pool = if first_l2 {
+            1 + path
+                .slots()
+                .skip(1)
+                .take_while(|&i| has_l2(self.blocks.get(i)))
+                .count()
+        } else {
+            0
+        };
+        // Down a chain the places holding a block's whole prefix only thin out, so
+        // `full_node + full_l1` never grows, and both counts change only where it falls: those
+        // positions are searched for, the records between them are not read.
+        let level = |p: usize| {
+            let b = self.blocks.get(path.slot(p));
+            b.full_node + b.full_l1
+        };
+        let mut at = 0;
+        while let Some(p) = next_fall(path.len(), at, level) {
+            let (idx, depth) = (path.slot(p), p as u32);
             let b = self.blocks.get(idx);
-            if b.holders.is_empty() {
-                break;
-            }
             if shared && b.full_l1 != b.full_node {
                 shared = false;
                 res.split_l1();
@@ -242,11 +265,9 @@ impl Directory {
                     l1[i as usize] = depth;
                 });
             }
-            if pool == depth && has_l2(b) {
-                pool += 1;
-            }
-            depth += 1;
+            at = p;
         }
+        let depth = path.len() as u32;
         let l12 = res.l12_mut();
         for &i in &alive.at {
             l12[i as usize] = depth;
@@ -257,7 +278,7 @@ impl Directory {
                 l1[i as usize] = depth;
             }
         }
-        res.pool = pool;
+        res.pool = pool as u32;
         res.cluster = depth;
         res
     }
@@ -307,13 +328,14 @@ impl Directory {
     pub fn touch(&mut self, node: NodeId, hashes: &[BlockHash], now: f64) -> crate::Result<()> {
         let now = crate::check_time(now)?;
         // As in `match_prefix`: every look-up first, in a loop that keeps misses in flight.
-        let path: SmallVec<[u32; 128]> = self.walk(hashes).collect();
+        let path = self.walk(hashes);
         // The node's entries sit at about the same position down a chain: one search per block
         // from the last block's position, and that position says where to prefetch ahead.
         let mut hint = 0;
-        for (i, &idx) in path.iter().enumerate() {
-            if let Some(&ahead) = path.get(i + crate::directory::PREFETCH_HOLDERS) {
-                self.blocks.get(ahead).holders.prefetch(hint);
+        for (i, idx) in path.slots().enumerate() {
+            let ahead = i + crate::directory::PREFETCH_HOLDERS;
+            if ahead < path.len() {
+                self.blocks.get(path.slot(ahead)).holders.prefetch(hint);
             }
             let entries = self.blocks.get(idx).node_entries_near(node, hint);
             if entries.is_empty() {
@@ -326,6 +348,106 @@ impl Directory {
         }
         Ok(())
     }
+}
+
+/// The blocks a walk down a query chain found, as runs of consecutive slots: a chain stored in
+/// one event is one run however long, where a list of slots cost a store per block and, past
+/// 128 blocks, an allocation.
+#[derive(Default)]
+struct Path {
+    /// Each run's end (the query position after its last block) and first slot.
+    runs: SmallVec<[(u32, u32); 8]>,
+}
+
+impl Path {
+    /// Blocks found.
+    fn len(&self) -> usize {
+        self.runs.last().map_or(0, |&(end, _)| end as usize)
+    }
+
+    /// Appends the `n` blocks in slots `slot..slot + n`.
+    fn push(&mut self, slot: u32, n: usize) {
+        let (len, start) = (self.len() as u32, self.runs_start());
+        let end = len + n as u32;
+        match self.runs.last_mut() {
+            // Found by look-up in the slot after the run's last: the same run.
+            Some(last) if last.1 + (len - start) == slot => last.0 = end,
+            _ => self.runs.push((end, slot)),
+        }
+    }
+
+    /// Where the last run starts in the query.
+    fn runs_start(&self) -> u32 {
+        match self.runs.len() {
+            0 | 1 => 0,
+            n => self.runs[n - 2].0,
+        }
+    }
+
+    /// The slot of the block at query position `p` (below `len`).
+    fn slot(&self, p: usize) -> u32 {
+        if let [(_, slot)] = self.runs[..] {
+            return slot + p as u32;
+        }
+        let r = self.runs.partition_point(|&(end, _)| end as usize <= p);
+        let start = if r == 0 { 0 } else { self.runs[r - 1].0 };
+        self.runs[r].1 + (p as u32 - start)
+    }
+
+    /// The slots in query order.
+    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        let mut start = 0;
+        self.runs.iter().flat_map(move |&(end, slot)| {
+            let n = end - start;
+            start = end;
+            slot..slot + n
+        })
+    }
+}
+
+/// Positions `next_fall` reads one by one before it searches.
+const NEAR: usize = 8;
+
+/// The first position after `at` (and below `n`) whose `level` is below `at`'s, for a `level`
+/// that never grows: the next `NEAR` positions read in turn (falls close together, a chain
+/// many nodes hold to different depths, are read as cheaply as by a loop over every block),
+/// then searched outward (steps 1, 2, 4, ...) and halved, so a fall `d` positions ahead costs
+/// about `2 log2 d` reads.
+fn next_fall(n: usize, at: usize, level: impl Fn(usize) -> u32) -> Option<usize> {
+    let now = level(at);
+    let near = (at + 1 + NEAR).min(n);
+    if let Some(p) = (at + 1..near).find(|&p| level(p) < now) {
+        return Some(p);
+    }
+    if near == n {
+        return None;
+    }
+    // `level(lo) == now` throughout; `hi` is the first position seen below it.
+    let (mut lo, mut step) = (near - 1, 1);
+    let mut hi = loop {
+        let probe = lo + step;
+        if probe >= n {
+            if lo + 1 >= n || level(n - 1) >= now {
+                return None;
+            }
+            break n - 1;
+        }
+        if level(probe) < now {
+            break probe;
+        }
+        lo = probe;
+        step *= 2;
+    };
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if level(mid) < now {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    debug_assert!((at + 1..hi).all(|p| level(p) == now), "a level that grew");
+    Some(hi)
 }
 
 /// The nodes still counting, ascending, with each one's index in the result arrays (kept side by
@@ -420,6 +542,69 @@ impl Alive {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `(node, l12)` of every node in `m`.
+    fn held(m: &PrefixMatch) -> Vec<(NodeId, u32)> {
+        m.node_ids()
+            .iter()
+            .copied()
+            .zip(m.l12().iter().copied())
+            .collect()
+    }
+
+    #[test]
+    fn a_run_ends_where_the_query_leaves_the_chain_at_any_position() {
+        // A 70-block chain in consecutive slots: the walk compares it 16 slots at a time, so a
+        // query that leaves it at each position (before, at and after chunk boundaries) checks
+        // the chunked compare and the tail loop.
+        let chain: Vec<BlockHash> = (1..=70).collect();
+        let mut d = Directory::new();
+        d.store(1, Tier::L1, &chain, None, 1.0).unwrap();
+        for k in 0..chain.len() {
+            let mut q = chain.clone();
+            q[k] = 1_000 + k as BlockHash;
+            let m = d.match_prefix(&q);
+            assert_eq!(m.cluster, k as u32, "query leaving at {k}");
+            assert_eq!(held(&m), if k == 0 { vec![] } else { vec![(1, k as u32)] });
+        }
+        let m = d.match_prefix(&chain[..33]);
+        assert_eq!((m.cluster, held(&m)), (33, vec![(1, 33)]));
+    }
+
+    #[test]
+    fn a_run_stops_at_a_block_no_place_holds_and_at_a_fork() {
+        let chain: Vec<BlockHash> = (1..=70).collect();
+        for k in [1, 15, 16, 17, 31, 32, 48, 69] {
+            let mut d = Directory::new();
+            d.store(1, Tier::L1, &chain, None, 1.0).unwrap();
+            // The block at `k` loses its only holder and stays known (it has a child).
+            d.remove(1, Tier::L1, &chain[k..=k]);
+            let m = d.match_prefix(&chain);
+            assert_eq!(
+                (m.cluster, held(&m)),
+                (k as u32, vec![(1, k as u32)]),
+                "gap at {k}"
+            );
+            d.check_invariants();
+        }
+        // Node 2 forks off at block 40 (its blocks follow in new slots), node 3 holds 25 blocks
+        // in L2; node 1 holds the chain to its end.
+        let mut d = Directory::new();
+        d.store(1, Tier::L1, &chain, None, 1.0).unwrap();
+        let fork: Vec<BlockHash> = (500..530).collect();
+        d.store(2, Tier::L1, &chain[..40], None, 1.0).unwrap();
+        d.store(2, Tier::L1, &fork, Some(40), 1.0).unwrap();
+        d.store(3, Tier::L2, &chain[..25], None, 1.0).unwrap();
+        let m = d.match_prefix(&chain);
+        assert_eq!((m.cluster, m.pool), (70, 25));
+        assert_eq!(held(&m), vec![(1, 70), (2, 40), (3, 25)]);
+        assert_eq!(m.l1(), &[70, 40, 0]);
+        let q: Vec<BlockHash> = chain[..40].iter().chain(&fork).copied().collect();
+        let m = d.match_prefix(&q);
+        assert_eq!((m.cluster, m.pool), (70, 25));
+        assert_eq!(held(&m), vec![(1, 40), (2, 70), (3, 25)]);
+        d.check_invariants();
+    }
 
     #[test]
     fn a_nodes_figures_are_found_by_its_id() {

@@ -132,22 +132,16 @@ impl WideLists {
 
     /// Checks the lists against the blocks (tests): a block at `WIDE` or more has its list, and a
     /// list is exactly its block's rooted nodes.
-    pub(crate) fn check(&self, idx: u32, b: &Block) {
+    pub(crate) fn check(&self, idx: u32, hash: crate::BlockHash, b: &Block) {
         for kind in [Kind::Node, Kind::L1] {
             match self.get(kind, idx) {
                 Some(list) => {
-                    assert!(kind.count(b) >= NARROW, "list of narrow block {}", b.hash);
-                    assert_eq!(
-                        list,
-                        kind.rooted(b).as_slice(),
-                        "{kind:?} list of {}",
-                        b.hash
-                    );
+                    assert!(kind.count(b) >= NARROW, "list of narrow block {hash}");
+                    assert_eq!(list, kind.rooted(b).as_slice(), "{kind:?} list of {hash}");
                 }
                 None => assert!(
                     kind.count(b) < WIDE,
-                    "wide block {} without a {kind:?} list",
-                    b.hash
+                    "wide block {hash} without a {kind:?} list"
                 ),
             }
         }
