@@ -7,7 +7,7 @@
 //! waited for while the GIL is held, and the GIL is never taken while the lock is held, so the
 //! two cannot deadlock.
 
-use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -352,12 +352,19 @@ pub(crate) struct PrefixMatch {
     inner: kvdir::PrefixMatch,
 }
 
-/// A new numpy array owning a copy of `values`. NOTE: copying into numpy's own buffer
-/// (`from_slice`) is cheaper for these short arrays than handing numpy a `Vec`
-/// (`into_pyarray`), which also allocates a Python capsule to own it.
+/// A new numpy array owning a copy of `values`, widened in numpy's own buffer. NOTE: handing
+/// numpy a `Vec` (`into_pyarray`) also allocates a Python capsule to own it, and widening into
+/// a `Vec` first to copy it (`from_slice`) cost one more allocation per array.
 fn int64_array<'py>(py: Python<'py>, values: &[u32]) -> Bound<'py, PyArray1<i64>> {
-    let values: Vec<i64> = values.iter().map(|&n| i64::from(n)).collect();
-    PyArray1::from_slice(py, &values)
+    // SAFETY: a new array of `values.len()` elements, every one written below before Python
+    // can see it.
+    let out = unsafe { PyArray1::<i64>::new(py, values.len(), false) };
+    // SAFETY: the array is new, contiguous and referenced only here.
+    let dst = unsafe { out.as_slice_mut() }.expect("a new array is contiguous");
+    for (d, &v) in dst.iter_mut().zip(values) {
+        *d = i64::from(v);
+    }
+    out
 }
 
 #[pymethods]

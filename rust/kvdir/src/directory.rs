@@ -480,9 +480,15 @@ impl Directory {
                 continue;
             };
             let parent = self.blocks.get(idx).parent;
-            let parent_next = parent != NIL
-                && next == Some(parent)
-                && self.blocks.get(parent).holder(place).is_some();
+            let parent_next = parent != NIL && next == Some(parent) && {
+                let p = self.blocks.get(parent);
+                // The next step compares the grandparent's hash with the hash after next: the
+                // record and the hash column's entry are asked for now.
+                if p.parent != NIL {
+                    self.blocks.prefetch(p.parent);
+                }
+                p.holder(place).is_some()
+            };
             if self.remove_holder_in_chain(idx, place, indexed, !parent_next, false) {
                 self.collect(idx);
                 indexed = !parent_next;
