@@ -175,13 +175,11 @@ impl Directory {
         let block = self.blocks.get_mut(idx);
         if root_tier {
             block.full_l1 += 1;
-            self.wide
-                .changed(Kind::L1, idx, self.blocks.get(idx), node, true);
+            self.wide_changed(Kind::L1, idx, node, true, false);
         }
         if node_new && root_node {
             self.blocks.get_mut(idx).full_node += 1;
-            self.wide
-                .changed(Kind::Node, idx, self.blocks.get(idx), node, true);
+            self.wide_changed(Kind::Node, idx, node, true, false);
         }
         if let Some((ppos, _, _)) = parent_here {
             self.child_held_at(parent, ppos, place, !parent_in_chain);
@@ -309,15 +307,13 @@ impl Directory {
         let block = self.blocks.get_mut(idx);
         if old.root_tier() {
             block.full_l1 -= 1;
-            self.wide
-                .changed(Kind::L1, idx, self.blocks.get(idx), node, false);
+            self.wide_changed(Kind::L1, idx, node, false, !index_parent);
         }
         let block = self.blocks.get_mut(idx);
         let node_left = !node_stays && block.node_entries(node).is_empty();
         if node_left && old.root_node() {
             block.full_node -= 1;
-            self.wide
-                .changed(Kind::Node, idx, self.blocks.get(idx), node, false);
+            self.wide_changed(Kind::Node, idx, node, false, !index_parent);
         }
         if parent != NIL {
             if let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) {
@@ -349,6 +345,24 @@ impl Directory {
         true
     }
 
+    /// `node` gained (`on`) or lost its rooted flag of `kind` on block `idx`, whose count is
+    /// already updated: its wide list follows, if it has or now needs one (`wide.rs`). With
+    /// `parent_follows` the parent loses the same holder next (a chain removed leaf first), so
+    /// the block's count will equal its parent's again: it gets no list meanwhile.
+    #[inline]
+    fn wide_changed(&mut self, kind: Kind, idx: u32, node: NodeId, on: bool, parent_follows: bool) {
+        let b = self.blocks.get(idx);
+        let has = self.blocks.has_wide(idx, kind);
+        let falls = || {
+            !parent_follows
+                && (b.parent == NIL || kind.count(b) < kind.count(self.blocks.get(b.parent)))
+        };
+        let now = self.wide.changed(kind, idx, b, has, falls, node, on);
+        if now != has {
+            self.blocks.set_wide(idx, kind, now);
+        }
+    }
+
     /// The L1 place's holdings below `idx` gained (`on`) or lost their whole prefix at `place`.
     fn propagate_root_tier(&mut self, idx: u32, place: Place, on: bool) {
         let mut stack = vec![idx];
@@ -373,8 +387,7 @@ impl Directory {
                 } else {
                     block.full_l1 -= 1;
                 }
-                self.wide
-                    .changed(Kind::L1, c, self.blocks.get(c), place.node(), on);
+                self.wide_changed(Kind::L1, c, place.node(), on, false);
                 if has_children {
                     stack.push(c);
                 }
@@ -407,8 +420,7 @@ impl Directory {
                 } else {
                     block.full_node -= 1;
                 }
-                self.wide
-                    .changed(Kind::Node, c, self.blocks.get(c), node, on);
+                self.wide_changed(Kind::Node, c, node, on, false);
                 stack.push(c);
             }
         }

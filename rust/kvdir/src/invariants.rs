@@ -8,6 +8,7 @@ use crate::directory::Directory;
 use crate::eviction::EvKey;
 use crate::holder_list::Holder;
 use crate::table::{Block, NIL};
+use crate::wide::Kind;
 use crate::{BlockHash, Place, Tier};
 
 impl Directory {
@@ -100,7 +101,12 @@ impl Directory {
                     expected.entry(h.place).or_default().push(self.key(idx, h));
                 }
             }
-            self.wide.check(idx, hash, b);
+            self.wide.check(
+                idx,
+                hash,
+                b,
+                [Kind::Node, Kind::L1].map(|k| self.blocks.has_wide(idx, k)),
+            );
             assert_eq!(
                 (b.full_l1, b.full_node),
                 (full_l1, full_node),

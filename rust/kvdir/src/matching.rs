@@ -211,7 +211,12 @@ impl Directory {
         let first = self.blocks.get(first_idx);
         // Every node with l12 > 0 holds the first block, and a first page is rooted wherever it is
         // held: its rooted nodes are the result's, ascending.
-        let nodes = self.wide.rooted(Kind::Node, first_idx, first);
+        let nodes = self.wide.rooted(
+            Kind::Node,
+            first_idx,
+            self.blocks.has_wide(first_idx, Kind::Node),
+            first,
+        );
         let mut res = PrefixMatch::with_nodes(&nodes);
         // The nodes still counting: those holding the whole path so far (in some tier; in L1).
         // While both sets agree, `alive1` stays empty, `alive` serves both counts and `l1`
@@ -222,7 +227,8 @@ impl Directory {
         let mut alive1 = Alive::default();
         if !shared {
             res.split_l1();
-            alive1 = Alive::subset(&alive, self.wide.rooted(Kind::L1, first_idx, first));
+            let has = self.blocks.has_wide(first_idx, Kind::L1);
+            alive1 = Alive::subset(&alive, self.wide.rooted(Kind::L1, first_idx, has, first));
         }
         let has_l2 = |b: &Block| b.holders.iter().any(|h| h.place.tier() == Tier::L2);
         // Each L1 entry of a first page is rooted in its tier: the rest are L2 entries.
@@ -294,7 +300,7 @@ impl Directory {
         kept: u32,
         dropped: impl FnMut(u32),
     ) {
-        if let Some(kept) = self.wide.get(kind, idx) {
+        if let Some(kept) = self.wide.get(kind, idx, self.blocks.has_wide(idx, kind)) {
             alive.keep_only(kept, dropped);
             return;
         }
@@ -603,6 +609,36 @@ mod tests {
         let m = d.match_prefix(&q);
         assert_eq!((m.cluster, m.pool), (70, 25));
         assert_eq!(held(&m), vec![(1, 40), (2, 70), (3, 25)]);
+        d.check_invariants();
+    }
+
+    #[test]
+    fn wide_lists_sit_where_the_count_falls() {
+        // WIDE + 1 nodes hold a 40-block chain: no block but the first page drops a node, so
+        // only it has lists (one of each kind).
+        let nodes = crate::wide::WIDE + 1;
+        let chain: Vec<BlockHash> = (1..=40).collect();
+        let mut d = Directory::new();
+        for node in 1..=nodes {
+            d.store(node, Tier::L1, &chain, None, 1.0).unwrap();
+        }
+        assert_eq!(d.wide.lists(), [1, 1]);
+        // The last node leaves the chain from block 20 on, leaf first in one event: block 20
+        // falls (to WIDE nodes) and gets lists; the blocks below it, whose parent went next, none.
+        let mut tail: Vec<BlockHash> = chain[20..].to_vec();
+        tail.reverse();
+        d.remove(nodes, Tier::L1, &tail);
+        assert_eq!(d.wide.lists(), [2, 2]);
+        let m = d.match_prefix(&chain);
+        let mut want: Vec<(NodeId, u32)> = (1..nodes).map(|n| (n, 40)).collect();
+        want.push((nodes, 20));
+        assert_eq!(held(&m), want);
+        d.check_invariants();
+        // Stored again in chain order, block 20 no longer falls and its lists go.
+        d.store(nodes, Tier::L1, &chain[20..], Some(20), 2.0)
+            .unwrap();
+        assert_eq!(d.wide.lists(), [1, 1]);
+        assert_eq!(held(&d.match_prefix(&chain)).last(), Some(&(nodes, 40)));
         d.check_invariants();
     }
 

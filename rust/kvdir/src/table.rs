@@ -8,6 +8,7 @@
 use hashbrown::HashTable;
 
 use crate::holder_list::{prefetch_addr, Holder, HolderList};
+use crate::wide::Kind;
 use crate::{BlockHash, NodeId, Place};
 
 /// "No block": the parent of a first page, the end of a child list.
@@ -202,6 +203,17 @@ const PREFETCH_INDEX: usize = 12;
 const CHAINED: u8 = 1;
 /// `Blocks::flags` bit: the slot's block is live and held somewhere.
 const HELD: u8 = 2;
+/// `Blocks::flags` bits: the block has a wide list of `Kind::Node` / `Kind::L1` (`wide.rs`), so
+/// that a block without one costs no look-up in the lists' map.
+const WIDE_NODE: u8 = 4;
+const WIDE_L1: u8 = 8;
+
+const fn wide_bit(kind: Kind) -> u8 {
+    match kind {
+        Kind::Node => WIDE_NODE,
+        Kind::L1 => WIDE_L1,
+    }
+}
 
 /// How many slots a walk compares at once along a chain in consecutive slots (`chain_run`).
 const RUN_CHUNK: usize = 16;
@@ -276,6 +288,22 @@ impl Blocks {
     #[inline]
     pub(crate) fn held(&self, idx: u32) -> bool {
         self.flags[idx as usize] & HELD != 0
+    }
+
+    /// Whether the block in slot `idx` has a wide list of `kind`.
+    #[inline]
+    pub(crate) fn has_wide(&self, idx: u32, kind: Kind) -> bool {
+        self.flags[idx as usize] & wide_bit(kind) != 0
+    }
+
+    /// Records whether the block in slot `idx` has a wide list of `kind`.
+    pub(crate) fn set_wide(&mut self, idx: u32, kind: Kind, on: bool) {
+        let f = &mut self.flags[idx as usize];
+        *f = if on {
+            *f | wide_bit(kind)
+        } else {
+            *f & !wide_bit(kind)
+        };
     }
 
     /// Whether slot `idx` says its live block's parent is the slot before (for the invariants).

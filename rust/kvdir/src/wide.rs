@@ -1,4 +1,5 @@
-//! Sorted lists of the nodes that hold a *wide* block's whole prefix.
+//! Sorted lists of the nodes that hold a *wide* block's whole prefix, kept where `match` reads
+//! them: at first pages and where the count of such nodes falls below the parent's.
 //!
 //! `match` finds the nodes that drop out at a block by comparing the nodes still counting with
 //! the block's rooted holders. For a block held by a few nodes that is a short merge over its
@@ -6,6 +7,16 @@
 //! agent's history) a merge would cost a pass over hundreds of holders at every block where one
 //! node drops out. Wide blocks therefore keep their rooted nodes as a plain sorted `u32` list, and
 //! the drop-outs are the gaps between two such lists (`matching::Alive::keep_only`).
+//!
+//! `match` reads a block's rooted nodes only at a first page and where the count falls (a block
+//! whose count equals its parent's drops no node), so only such blocks get a list. NOTE: a list on
+//! every wide block cost an insert into each block's list when a node stored a shared prefix (a
+//! 1,500-block prefix held by ~32 nodes: a third of a store's time, 5 bytes per entry), for lists
+//! that `match` never read. Whether a block falls is judged when its own count changes, against its
+//! parent's count then: a chain stored or removed in order keeps each block's fall as it was, so
+//! lists are neither built nor dropped along it. A parent's later change can leave a list on a
+//! block that no longer falls (kept exact, dropped at the block's next change) or a falling block
+//! without one (`match` merges its holders instead): results never depend on the lists.
 //!
 //! A block gets a list when its count reaches `WIDE` and loses it below `NARROW` (the gap keeps a
 //! block that hovers around the threshold from building and dropping its list on every change).
@@ -17,7 +28,7 @@ use crate::{NodeId, Tier};
 
 // Debug builds (all tests) use tiny thresholds so that the lists are built, updated and dropped
 // constantly, including in the three-node differential test; results never depend on them.
-const WIDE: u32 = if cfg!(debug_assertions) { 2 } else { 32 };
+pub(crate) const WIDE: u32 = if cfg!(debug_assertions) { 2 } else { 32 };
 const NARROW: u32 = if cfg!(debug_assertions) { 1 } else { 16 };
 
 /// Which rooted set a list holds.
@@ -30,7 +41,7 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
-    fn count(self, b: &Block) -> u32 {
+    pub(crate) fn count(self, b: &Block) -> u32 {
         match self {
             Kind::Node => b.full_node,
             Kind::L1 => b.full_l1,
@@ -69,8 +80,11 @@ impl WideLists {
         }
     }
 
-    /// The list of a wide block, if it has one.
-    pub(crate) fn get(&self, kind: Kind, idx: u32) -> Option<&[NodeId]> {
+    /// The list of a wide block (`has`: its flag says it has one).
+    pub(crate) fn get(&self, kind: Kind, idx: u32, has: bool) -> Option<&[NodeId]> {
+        if !has {
+            return None;
+        }
         match kind {
             Kind::Node => self.node.get(&idx),
             Kind::L1 => self.l1.get(&idx),
@@ -78,47 +92,73 @@ impl WideLists {
         .map(Vec::as_slice)
     }
 
-    /// The block's rooted nodes of this kind, ascending: its list if it is wide (4 bytes a node),
+    /// The block's rooted nodes of this kind, ascending: its list if it has one (4 bytes a node),
     /// else from its holders (16 bytes an entry).
-    pub(crate) fn rooted(&self, kind: Kind, idx: u32, b: &Block) -> Vec<NodeId> {
-        self.get(kind, idx)
+    pub(crate) fn rooted(&self, kind: Kind, idx: u32, has: bool, b: &Block) -> Vec<NodeId> {
+        self.get(kind, idx, has)
             .map_or_else(|| kind.rooted(b), <[NodeId]>::to_vec)
     }
 
     /// `node` gained (`on`) or lost its rooted flag of `kind` on block `idx`, whose count and
-    /// flags are already updated.
+    /// flags are already updated; `has`: the block has a list; `falls`: its count is below its
+    /// parent's (or it is a first page), asked only where it decides. Returns whether the block
+    /// has a list after.
     #[inline]
-    pub(crate) fn changed(&mut self, kind: Kind, idx: u32, b: &Block, node: NodeId, on: bool) {
-        let count = kind.count(b);
-        // Lists exist only from NARROW up: below it (before and after) there is nothing to look up.
-        let before = if on { count - 1 } else { count + 1 };
-        if before < NARROW && count < WIDE {
-            return;
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the change, and what the caller knows of it"
+    )]
+    pub(crate) fn changed(
+        &mut self,
+        kind: Kind,
+        idx: u32,
+        b: &Block,
+        has: bool,
+        falls: impl FnOnce() -> bool,
+        node: NodeId,
+        on: bool,
+    ) -> bool {
+        if !has && kind.count(b) < WIDE {
+            return false;
         }
-        self.update(kind, idx, b, node, on);
+        self.update(kind, idx, b, has, falls(), node, on)
     }
 
     /// `changed` for a block with a list before or after the change (out of line: most blocks
-    /// are narrow, and `store` called `changed` once per stored block only to return).
+    /// have none, and `store` called `changed` once per stored block only to return).
     #[inline(never)]
-    fn update(&mut self, kind: Kind, idx: u32, b: &Block, node: NodeId, on: bool) {
+    #[allow(clippy::too_many_arguments, reason = "changed's arguments, passed on")]
+    fn update(
+        &mut self,
+        kind: Kind,
+        idx: u32,
+        b: &Block,
+        has: bool,
+        falls: bool,
+        node: NodeId,
+        on: bool,
+    ) -> bool {
         let count = kind.count(b);
         let map = self.map(kind);
-        if let Some(list) = map.get_mut(&idx) {
-            if count < NARROW {
-                map.remove(&idx);
-            } else {
-                match (list.binary_search(&node), on) {
-                    (Err(pos), true) => list.insert(pos, node),
-                    (Ok(pos), false) => {
-                        list.remove(pos);
-                    }
-                    _ => debug_assert!(false, "list of {idx} already says {on} for node {node}"),
-                }
+        if !has {
+            if falls {
+                map.insert(idx, kind.rooted(b));
             }
-        } else if count >= WIDE {
-            map.insert(idx, kind.rooted(b));
+            return falls;
         }
+        if count < NARROW || !falls {
+            map.remove(&idx);
+            return false;
+        }
+        let list = map.get_mut(&idx).expect("a flagged block has a list");
+        match (list.binary_search(&node), on) {
+            (Err(pos), true) => list.insert(pos, node),
+            (Ok(pos), false) => {
+                list.remove(pos);
+            }
+            _ => debug_assert!(false, "list of {idx} already says {on} for node {node}"),
+        }
+        true
     }
 
     /// Bytes held by the lists.
@@ -130,20 +170,25 @@ impl WideLists {
             .sum()
     }
 
-    /// Checks the lists against the blocks (tests): a block at `WIDE` or more has its list, and a
-    /// list is exactly its block's rooted nodes.
-    pub(crate) fn check(&self, idx: u32, hash: crate::BlockHash, b: &Block) {
-        for kind in [Kind::Node, Kind::L1] {
-            match self.get(kind, idx) {
-                Some(list) => {
-                    assert!(kind.count(b) >= NARROW, "list of narrow block {hash}");
-                    assert_eq!(list, kind.rooted(b).as_slice(), "{kind:?} list of {hash}");
-                }
-                None => assert!(
-                    kind.count(b) < WIDE,
-                    "wide block {hash} without a {kind:?} list"
-                ),
+    /// Checks the lists against the blocks (tests): a block has a list exactly when its flag
+    /// says so, and a list is exactly its block's rooted nodes, at `NARROW` or more.
+    pub(crate) fn check(&self, idx: u32, hash: crate::BlockHash, b: &Block, has: [bool; 2]) {
+        for (kind, has) in [Kind::Node, Kind::L1].into_iter().zip(has) {
+            let list = match kind {
+                Kind::Node => self.node.get(&idx),
+                Kind::L1 => self.l1.get(&idx),
+            };
+            assert_eq!(list.is_some(), has, "{kind:?} list flag of {hash}");
+            if let Some(list) = list {
+                assert!(kind.count(b) >= NARROW, "list of narrow block {hash}");
+                assert_eq!(list, &kind.rooted(b), "{kind:?} list of {hash}");
             }
         }
+    }
+
+    /// Blocks with a list of each kind (tests).
+    #[cfg(test)]
+    pub(crate) fn lists(&self) -> [usize; 2] {
+        [self.node.len(), self.l1.len()]
     }
 }
