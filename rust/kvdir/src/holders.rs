@@ -289,7 +289,12 @@ impl Directory {
         };
         let old = b.holders[pos];
         let parent = b.parent;
-        let orphan = parent != NIL && self.blocks.get(parent).holder(place).is_none();
+        // The parent's entry here, found once: nothing below changes the parent's list before
+        // its held-children count is updated.
+        let parent_pos = (parent != NIL)
+            .then(|| self.blocks.get(parent).position(place))
+            .flatten();
+        let orphan = parent != NIL && parent_pos.is_none();
         let other_orphans = self.places.get(&other_tier(place)).map_or(0, |s| s.orphans);
         if old.held_children() == 0 && indexed {
             let key = self.key(idx, &old);
@@ -315,14 +320,13 @@ impl Directory {
             block.full_node -= 1;
             self.wide_changed(Kind::Node, idx, node, false, !index_parent);
         }
-        if parent != NIL {
-            if let Some(ph) = self.blocks.get_mut(parent).holder_mut(place) {
-                ph.add_held_children(-1);
-                if ph.held_children() == 0 && index_parent {
-                    let ph = *ph;
-                    let key = self.key(parent, &ph);
-                    self.index(place, key);
-                }
+        if let Some(ppos) = parent_pos {
+            let ph = &mut self.blocks.get_mut(parent).holders[ppos];
+            ph.add_held_children(-1);
+            if ph.held_children() == 0 && index_parent {
+                let ph = *ph;
+                let key = self.key(parent, &ph);
+                self.index(place, key);
             }
         }
         if old.root_tier() && old.held_children() > 0 {
