@@ -214,6 +214,12 @@ impl HolderList {
             self.0.heap = heap.with_len(len - 1);
             return out;
         }
+        if len == 2 {
+            // Back to one holder in place (the common way a heap list ends): the other one moves
+            // in and the buffer goes (dropped with the old list), without the copies below.
+            *self = HolderList::one(self[1 - pos]);
+            return out;
+        }
         let mut items: SmallVec<[Holder; 8]> = SmallVec::with_capacity(len - 1);
         items.extend_from_slice(&self[..pos]);
         items.extend_from_slice(&self[pos + 1..]);
