@@ -199,6 +199,32 @@ impl ProbeHint {
 /// How many query blocks ahead a walk asks for the index's lines (`prefetch_hash`).
 const PREFETCH_INDEX: usize = 12;
 
+/// From this many bytes on, a column grows by an eighth (`room_for_one`): glibc's largest
+/// threshold for serving an allocation from its own mapping (`DEFAULT_MMAP_THRESHOLD_MAX`).
+const REMAPPED_BYTES: usize = 32 << 20;
+
+/// Makes room in `v` for one more item: doubling while it is small, by an eighth of its length
+/// from `REMAPPED_BYTES` on.
+///
+/// NOTE: doubling, a slab of 1.4 M blocks had room for 2.1 M: ~40 MB allocated for nothing, 14
+/// of the 55 bytes per entry counted in `make bench-peer`'s cluster workload. A buffer this
+/// large is a mapping of its own in the system allocator (the Python module sends allocations
+/// from 64 KiB on there, `kvdir-py/src/alloc.rs`), and `realloc` grows it by remapping its pages,
+/// without copying, so growing it often costs little. Below that size `realloc` copies, and
+/// growing by an eighth made stores into a growing directory ~13% slower: small buffers double.
+/// (A slab in fixed chunks, which never moves, left less unused still, but the extra load on
+/// every access cost 10-20% of a store and a removal.)
+fn room_for_one<T>(v: &mut Vec<T>) {
+    if v.len() == v.capacity() {
+        let step = if v.len() * std::mem::size_of::<T>() >= REMAPPED_BYTES {
+            v.len() / 8
+        } else {
+            v.len().max(16)
+        };
+        v.reserve_exact(step);
+    }
+}
+
 /// `Blocks::flags` bit: the slot's block is live and its parent is the slot before.
 const CHAINED: u8 = 1;
 /// `Blocks::flags` bit: the slot's block is live and held somewhere.
@@ -455,23 +481,11 @@ impl Blocks {
         idx
     }
 
-    /// Makes room for one more slot in the slab and its columns, by an eighth of their length.
-    ///
-    /// NOTE: a `Vec` doubles, so at 1.4 M blocks the slab and columns had room for 2.1 M: ~40 MB
-    /// allocated for nothing, 14 of the 55 bytes per entry in `make bench-peer`'s cluster
-    /// workload. Growing by an eighth leaves at most that much unused. It costs no copying:
-    /// buffers this large come from the system allocator's own mappings (the Python module
-    /// sends allocations from 64 KiB on there, `kvdir-py/src/alloc.rs`), which `realloc` grows
-    /// by remapping their pages. (A slab in fixed chunks, which never moves, left even less
-    /// unused, but the extra load on every access cost 10-20% of a store and a removal.)
+    /// Makes room for one more slot in the slab and its columns (`room_for_one`).
     fn grow(&mut self) {
-        const MIN_STEP: usize = 1 << 12;
-        if self.slab.len() == self.slab.capacity() {
-            let step = (self.slab.len() / 8).max(MIN_STEP);
-            self.slab.reserve_exact(step);
-            self.hashes.reserve_exact(step);
-            self.flags.reserve_exact(step);
-        }
+        room_for_one(&mut self.slab);
+        room_for_one(&mut self.hashes);
+        room_for_one(&mut self.flags);
     }
 
     /// Looks `hash` up and, if unknown, claims a slot for it in one probe of the index: `Ok(idx)`
