@@ -123,6 +123,13 @@ impl Directory {
                 );
             }
         });
+        for idx in 0..self.blocks.slab_len() as u32 {
+            assert_eq!(
+                self.blocks.live_flag(idx),
+                self.blocks.is_live(idx),
+                "live flag of slot {idx}"
+            );
+        }
         let mut unheld = 0;
         self.for_each_block(|_, b| unheld += usize::from(b.holders.is_empty()));
         assert_eq!(unheld, self.blocks.unheld(), "placeholder count");

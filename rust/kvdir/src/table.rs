@@ -233,6 +233,9 @@ const HELD: u8 = 2;
 /// that a block without one costs no look-up in the lists' map.
 const WIDE_NODE: u8 = 4;
 const WIDE_L1: u8 = 8;
+/// `Blocks::flags` bit: the slot holds a live block (filled, not dropped), so that a rebuild of
+/// the index reads the flag column, not every record.
+const LIVE: u8 = 16;
 
 const fn wide_bit(kind: Kind) -> u8 {
     match kind {
@@ -330,6 +333,11 @@ impl Blocks {
         } else {
             *f & !wide_bit(kind)
         };
+    }
+
+    /// Whether slot `idx`'s flags say it is live (for the invariants).
+    pub(crate) fn live_flag(&self, idx: u32) -> bool {
+        self.flags[idx as usize] & LIVE != 0
     }
 
     /// Whether slot `idx` says its live block's parent is the slot before (for the invariants).
@@ -578,11 +586,13 @@ impl Blocks {
         debug_assert_eq!(self.slab[idx as usize].depth, FREED, "fill a claimed slot");
         self.slab[idx as usize] = block;
         self.hashes[idx as usize] = hash;
-        self.flags[idx as usize] = if parent != NIL && parent.wrapping_add(1) == idx {
+        let chained = if parent != NIL && parent.wrapping_add(1) == idx {
             CHAINED
         } else {
             0
-        } | if holder.is_some() { HELD } else { 0 };
+        };
+        let held = if holder.is_some() { HELD } else { 0 };
+        self.flags[idx as usize] = LIVE | chained | held;
         if parent != NIL {
             if next_sibling != NIL {
                 self.get_mut(next_sibling).prev_sibling = idx;
@@ -601,8 +611,9 @@ impl Blocks {
     fn rebuild_index(&mut self, room: usize) {
         let live = self.index.len();
         let mut index = HashTable::with_capacity((2 * live).max(live + room).max(16));
-        for (i, (b, &hash)) in self.slab.iter().zip(&self.hashes).enumerate() {
-            if b.depth != FREED {
+        // From the columns (9 bytes a slot), not the records (48).
+        for (i, (&f, &hash)) in self.flags.iter().zip(&self.hashes).enumerate() {
+            if f & LIVE != 0 {
                 index.insert_unique(fold(hash), i as u32, |_| {
                     unreachable!("the table was sized for every live block")
                 });
