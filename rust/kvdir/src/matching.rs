@@ -338,10 +338,10 @@ impl Directory {
         // The node's entries sit at about the same position down a chain: one search per block
         // from the last block's position, and that position says where to prefetch ahead.
         let mut hint = 0;
-        for (i, idx) in path.slots().enumerate() {
-            let ahead = i + crate::directory::PREFETCH_HOLDERS;
-            if ahead < path.len() {
-                self.blocks.get(path.slot(ahead)).holders.prefetch(hint);
+        let mut ahead = path.slots().skip(crate::directory::PREFETCH_HOLDERS);
+        for idx in path.slots() {
+            if let Some(a) = ahead.next() {
+                self.blocks.get(a).holders.prefetch(hint);
             }
             let entries = self.blocks.get(idx).node_entries_near(node, hint);
             if entries.is_empty() {
@@ -376,7 +376,7 @@ impl Path {
         let (len, start) = (self.len() as u32, self.runs_start());
         let end = len + n as u32;
         match self.runs.last_mut() {
-            // Found by look-up in the slot after the run's last: the same run.
+            // Slots that go on from the last run's (a run after the block a look-up found): one run.
             Some(last) if last.1 + (len - start) == slot => last.0 = end,
             _ => self.runs.push((end, slot)),
         }

@@ -14,9 +14,6 @@ use crate::{BlockHash, NodeId, Place};
 /// "No block": the parent of a first page, the end of a child list.
 pub(crate) const NIL: u32 = u32::MAX;
 
-/// Marks a slab slot whose block was dropped (kept in `depth`, which real blocks never reach).
-const FREED: u32 = u32::MAX;
-
 /// A known block. Children form a doubly linked sibling list so that a child is unlinked in O(1)
 /// and a parent can count its held children when a place stores it after them.
 ///
@@ -233,8 +230,8 @@ const HELD: u8 = 2;
 /// that a block without one costs no look-up in the lists' map.
 const WIDE_NODE: u8 = 4;
 const WIDE_L1: u8 = 8;
-/// `Blocks::flags` bit: the slot holds a live block (filled, not dropped), so that a rebuild of
-/// the index reads the flag column, not every record.
+/// `Blocks::flags` bit: the slot holds a live block (filled, not dropped): a freed or claimed
+/// slot's flags are all zero.
 const LIVE: u8 = 16;
 
 const fn wide_bit(kind: Kind) -> u8 {
@@ -249,7 +246,8 @@ const RUN_CHUNK: usize = 16;
 /// A chunk of `RUN_CHUNK` flags, each `CHAINED | HELD`, read as one word.
 const RUN_FLAGS: u128 = u128::from_ne_bytes([CHAINED | HELD; RUN_CHUNK]);
 
-/// Slab + index, and two columns beside the slab that a walk reads instead of the records.
+/// Slab + index, and two columns beside the slab, the hashes and the flags, that a walk and an
+/// index rebuild read instead of the records.
 ///
 /// NOTE: a chain stored in one event fills consecutive slots, and a query walks it from its
 /// first page. Records are 48 bytes, so walking them read a cache line a block (a query of
@@ -261,7 +259,8 @@ pub(crate) struct Blocks {
     slab: Vec<Block>,
     /// Each slot's block hash (a freed slot keeps its last one; `flags` says it is not live).
     hashes: Vec<BlockHash>,
-    /// Each slot's `CHAINED` and `HELD` bits (zero for a freed or claimed slot).
+    /// Each slot's `LIVE`, `CHAINED`, `HELD` and wide-list bits (zero for a freed or claimed
+    /// slot).
     flags: Vec<u8>,
     free: Vec<u32>,
     index: HashTable<u32>,
@@ -333,11 +332,6 @@ impl Blocks {
         } else {
             *f & !wide_bit(kind)
         };
-    }
-
-    /// Whether slot `idx`'s flags say it is live (for the invariants).
-    pub(crate) fn live_flag(&self, idx: u32) -> bool {
-        self.flags[idx as usize] & LIVE != 0
     }
 
     /// Whether slot `idx` says its live block's parent is the slot before (for the invariants).
@@ -454,9 +448,7 @@ impl Blocks {
     }
 
     pub(crate) fn is_live(&self, idx: u32) -> bool {
-        self.slab
-            .get(idx as usize)
-            .is_some_and(|b| b.depth != FREED)
+        self.flags.get(idx as usize).is_some_and(|&f| f & LIVE != 0)
     }
 
     /// Inserts a new block (the caller checked it is unknown) under `parent` (or `NIL`).
@@ -483,7 +475,7 @@ impl Blocks {
         let idx = u32::try_from(self.slab.len()).expect("fewer than 2^32 blocks");
         assert!(idx != NIL, "directory is full (2^32 - 1 blocks)");
         self.grow();
-        self.slab.push(Block::unlinked(FREED));
+        self.slab.push(Block::unlinked(0));
         self.hashes.push(hash);
         self.flags.push(0);
         idx
@@ -583,7 +575,7 @@ impl Blocks {
             full_l1: holder.map_or(0, |h| u32::from(h.root_tier())),
             holders: holder.map_or_else(HolderList::new, HolderList::one),
         };
-        debug_assert_eq!(self.slab[idx as usize].depth, FREED, "fill a claimed slot");
+        debug_assert_eq!(self.flags[idx as usize], 0, "fill a claimed slot");
         self.slab[idx as usize] = block;
         self.hashes[idx as usize] = hash;
         let chained = if parent != NIL && parent.wrapping_add(1) == idx {
@@ -644,8 +636,6 @@ impl Blocks {
         {
             entry.remove();
         }
-        let b = self.get_mut(idx);
-        b.depth = FREED;
         self.flags[idx as usize] = 0;
         self.free.push(idx);
         self.unheld -= 1;

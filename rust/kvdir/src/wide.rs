@@ -174,14 +174,11 @@ impl WideLists {
     /// says so, and a list is exactly its block's rooted nodes, at `NARROW` or more.
     pub(crate) fn check(&self, idx: u32, hash: crate::BlockHash, b: &Block, has: [bool; 2]) {
         for (kind, has) in [Kind::Node, Kind::L1].into_iter().zip(has) {
-            let list = match kind {
-                Kind::Node => self.node.get(&idx),
-                Kind::L1 => self.l1.get(&idx),
-            };
+            let list = self.get(kind, idx, true);
             assert_eq!(list.is_some(), has, "{kind:?} list flag of {hash}");
             if let Some(list) = list {
                 assert!(kind.count(b) >= NARROW, "list of narrow block {hash}");
-                assert_eq!(list, &kind.rooted(b), "{kind:?} list of {hash}");
+                assert_eq!(list, kind.rooted(b).as_slice(), "{kind:?} list of {hash}");
             }
         }
     }
