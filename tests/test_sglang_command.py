@@ -28,6 +28,7 @@ from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
 from evolving_infra.engines.sglang import launcher
 from evolving_infra.engines.sglang.launcher import SglangProcess, SglangStartError
 from evolving_infra.engines.sim import command as engine_command
+from evolving_infra.ports import free_ports
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 STAND_IN = (sys.executable, FAKE)
@@ -167,7 +168,7 @@ def engine_args(*argv: str) -> argparse.Namespace:
 def test_command_serves_sglang_through_the_sidecar_and_stops_it() -> None:
     from evolving_infra.engines.sglang import command as sglang_command
 
-    http, grpc_port = free_port(), free_port()
+    http, grpc_port = free_ports(2)
     args = engine_args("--node-id", "3", "--phase", "decode", "--port", str(http),
                        "--grpc-port", str(grpc_port), "--page-size", "4", "--stop-timeout", "5",
                        "--", "--model-path", "m")  # fmt: skip
@@ -203,7 +204,7 @@ def test_command_serves_sglang_through_the_sidecar_and_stops_it() -> None:
 def test_command_exits_with_sglang_and_its_last_lines(capsys: pytest.CaptureFixture[str]) -> None:
     from evolving_infra.engines.sglang import command as sglang_command
 
-    http, grpc_port = free_port(), free_port()
+    http, grpc_port = free_ports(2)
     args = engine_args("--port", str(http), "--grpc-port", str(grpc_port))
 
     async def main() -> int:

@@ -100,19 +100,23 @@ def listen_error(
     return CommandError(f"cannot listen on {_address(host, port)}: {os_error_line(e)}")
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports the kernel reports free on loopback right now.
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct ports the kernel reports free on `host` right now (a wildcard: on
+    every address; IPv6 for an IPv6 host).
 
-    All sockets stay open until every port is picked, so the kernel cannot hand one out twice;
-    another process can still take one before its user binds it (the pool master's `start`
-    retries).
+    All sockets stay open until every port is picked, so the kernel cannot hand one out twice
+    (picked one at a time it may, and the second bind then fails with "Address already in
+    use"); another process can still take one before its user binds it (the pool master's
+    `start` retries).
     """
+    name = host.strip("[]")
+    family = socket.AF_INET6 if ":" in name else socket.AF_INET
     socks: list[socket.socket] = []
     try:
         for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
+            s = socket.socket(family, socket.SOCK_STREAM)
             socks.append(s)
+            s.bind(("" if host in WILDCARDS else name, 0))
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:

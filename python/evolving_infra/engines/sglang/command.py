@@ -41,7 +41,7 @@ from evolving_infra.engines.sglang.server_info import WILDCARD_HOSTS, bracket
 from evolving_infra.engines.sglang.sidecar import SglangSidecar, SidecarConfig
 from evolving_infra.engines.sglang.streams import HINTS_ENDPOINT_ENV
 from evolving_infra.errors import CommandError
-from evolving_infra.ports import check_listen
+from evolving_infra.ports import check_listen, free_ports
 
 log = structlog.get_logger("evolving_infra.engines.sglang")
 
@@ -168,13 +168,6 @@ def _wildcard(host: str) -> bool:
     return host in WILDCARD_HOSTS
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind(("" if _wildcard(host) else host.strip("[]"), 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def sglang_argv(
     args: argparse.Namespace, *, port: int, kv_port: int, replay_port: int, fpm_endpoint: str
 ) -> list[str]:
@@ -240,15 +233,14 @@ async def _serve(
     host = args.host
     local = "127.0.0.1" if _wildcard(host) else host
     advertise = args.advertise_host or (socket.getfqdn() if _wildcard(host) else host)
-    port = args.port or _free_port(host)
+    # Ports not given are picked together, apart from each other and from those given.
+    given = [args.port, args.kv_events_port, args.kv_replay_port]
+    spare = [p for p in free_ports(3 + given.count(0), host) if p not in given]
+    port, kv_port, replay_port = (p or spare.pop() for p in given)
     hints, fpm = f"ipc://{tmp / 'hints'}", f"ipc://{tmp / 'fpm'}"
     try:
         argv = sglang_argv(
-            args,
-            port=port,
-            kv_port=args.kv_events_port or _free_port(host),
-            replay_port=args.kv_replay_port or _free_port(host),
-            fpm_endpoint=fpm,
+            args, port=port, kv_port=kv_port, replay_port=replay_port, fpm_endpoint=fpm
         )
     except UsageError as e:
         return _fail(str(e))
