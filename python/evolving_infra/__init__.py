@@ -4,6 +4,8 @@ The KV directory (DESIGN §2) is implemented in Rust (`rust/kvdir`) and exposed 
 private native module `evolving_infra._core`; this package re-exports its public names.
 """
 
+from collections.abc import Sequence
+
 from evolving_infra._core import (
     BranchExistsError,
     DuplicateHashError,
@@ -12,6 +14,7 @@ from evolving_infra._core import (
     InvalidArgumentError,
     KvDirectory,
     KvDirectoryError,
+    PagedPrompt,
     ParentMismatchError,
     PrefixMatch,
     UnknownBranchError,
@@ -19,6 +22,9 @@ from evolving_infra._core import (
     __version__,
     block_hashes,
 )
+
+# A sequence of its ids to `isinstance` too (the router passes it where token ids go).
+Sequence.register(PagedPrompt)
 
 __all__ = [
     "BranchExistsError",
@@ -28,6 +34,7 @@ __all__ = [
     "InvalidArgumentError",
     "KvDirectory",
     "KvDirectoryError",
+    "PagedPrompt",
     "ParentMismatchError",
     "PrefixMatch",
     "UnknownBranchError",

@@ -4,8 +4,8 @@ Hand-written and checked against the built module by `python -m mypy.stubtest`
 (`make lint`). The semantics are the contract of DESIGN §2.
 """
 
-from collections.abc import Sequence
-from typing import Final, Literal, TypeAlias, final
+from collections.abc import Iterator, Sequence
+from typing import Final, Literal, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ __all__ = [
     "InvalidArgumentError",
     "KvDirectory",
     "KvDirectoryError",
+    "PagedPrompt",
     "ParentMismatchError",
     "PrefixMatch",
     "UnknownBranchError",
@@ -51,6 +52,42 @@ def _fast_int_layout() -> str | None:
 def trace_chain(seed: bytes, ids: npt.NDArray[np.int64], person: bytes) -> list[int]:
     """Trace block hashes chained from `seed` (`workloads.blocks.chain_from`): blake2b with an
     8-byte digest and `person` over the previous digest and each id's 8 little-endian bytes."""
+
+@final
+class PagedPrompt(Sequence[int]):
+    """A prompt's token ids and the digests of its full pages (SGLang 0.5.23 page hashes),
+    reusing those of `after` for the pages both prompts start with: the router keeps one per
+    agent branch so that the next turn hashes only what it adds. The prefix is compared token by
+    token, not assumed. Raises `InvalidArgumentError` for an id outside [0, 2^32) or a page size
+    of 0. 4 bytes a token and 32 a page. A sequence of its ids (registered as one)."""
+
+    def __new__(
+        cls, token_ids: Sequence[int], page_size: int, after: PagedPrompt | None = None
+    ) -> PagedPrompt: ...
+    @staticmethod
+    def extend(before: PagedPrompt, keep: int, tail: Sequence[int]) -> PagedPrompt:
+        """The first `keep` ids of `before`, then `tail`: only the pages past the kept ones are
+        hashed, and no id is compared (the caller verified what it keeps)."""
+    def json(self) -> bytes:
+        """The ids as the text of a JSON array without spaces."""
+    @overload
+    def __getitem__(self, index: int, /) -> int: ...
+    @overload
+    def __getitem__(self, index: slice, /) -> list[int]: ...
+    def __iter__(self) -> Iterator[int]: ...
+    def hashes(self) -> list[int]:
+        """The block hash of every full page (as `block_hashes`)."""
+    def ids(self, end: int | None = None) -> list[int]:
+        """The first `end` token ids (all of them when None)."""
+    @property
+    def reused(self) -> int:
+        """Tokens this prompt shares with `after`, from the start (0 without it)."""
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+    def __len__(self) -> int: ...
 
 class KvDirectoryError(ValueError):
     """Base of every error the directory raises; the directory is unchanged when it is raised."""

@@ -2,8 +2,9 @@
 
 `build_app` wires a `Dispatcher`, a `BranchTracker`, a `Tokenizer` and `RouterMetrics` into an
 `aiohttp.web.Application`. A completion request goes: body (size, content type, JSON) -> record
-(`api`) -> branch info (`branches`) -> token ids and block hashes (`tokenize`, in a worker thread:
-a long prompt must not stall the event loop) -> `tracker.begin` -> `dispatcher.generate` -> JSON
+(`api`) -> branch info (`branches`) -> token ids and block hashes (`turns`: only what the branch's
+last turn did not have is tokenized and hashed; in a worker thread, so that a long prompt does not
+stall the event loop) -> `tracker.begin` -> `dispatcher.generate` -> JSON
 or SSE. `tracker.finish` runs in a `finally`, so a failed, cancelled or disconnected request never
 leaves a live anonymous branch behind.
 
@@ -38,7 +39,9 @@ from evolving_infra.router.api import ApiError, ChatRequest, CompletionRequest, 
 from evolving_infra.router.auth import ApiKeys
 from evolving_infra.router.branches import (
     BranchError,
+    BranchEvent,
     BranchExistsError,
+    BranchInfo,
     BranchLease,
     BranchTracker,
     parse_branch_info,
@@ -59,12 +62,8 @@ from evolving_infra.router.dispatcher import (
 from evolving_infra.router.metrics import CONTENT_TYPE, RouterMetrics
 from evolving_infra.router.server import ON_BAD_HTTP
 from evolving_infra.router.sessions import session_branch
-from evolving_infra.router.tokenize import (
-    Tokenizer,
-    encode_chat,
-    encode_completion,
-    prompt_blocks,
-)
+from evolving_infra.router.tokenize import Tokenizer
+from evolving_infra.router.turns import DEFAULT_BUDGET_MIB, Encoded, TurnCache
 
 log = structlog.get_logger(__name__)
 
@@ -170,6 +169,7 @@ class FrontEnd:
         listed: Sequence[str] = (),
         keys: ApiKeys | None = None,
         clock: Callable[[], float] = time.monotonic,
+        turn_cache_bytes: int = DEFAULT_BUDGET_MIB << 20,
     ) -> None:
         self.dispatcher = dispatcher
         self.keys = keys or ApiKeys()
@@ -181,7 +181,10 @@ class FrontEnd:
         self.listed = tuple(listed) or self.models
         self.clock = clock
         self.started = int(time.time())
+        self.turns = TurnCache(tokenizer, page_size, turn_cache_bytes)
         tracker.on_event = lambda event: metrics.branch_events.labels(event).inc()
+        tracker.on_end = self.turns.drop
+        metrics.watch_turn_cache(lambda: (len(self.turns), self.turns.nbytes))
         metrics.watch_branches(lambda: (tracker.live, tracker.anonymous_live))
 
     # -- middleware ------------------------------------------------------------------------
@@ -334,7 +337,11 @@ class FrontEnd:
             )
         # The router's own branch API first; else the session headers harnesses already send.
         info = parse_branch_info(request.headers, req.agent) or session_branch(request.headers)
-        ids, hashes = await asyncio.to_thread(self._encode, req)
+        encoded = await asyncio.to_thread(self._encode, req, info)
+        ids, hashes = encoded.ids, encoded.hashes
+        self.metrics.prompt_tokens_tokenized.inc(encoded.tokenized)
+        self.metrics.prompt_tokens_reused.inc(encoded.reused)
+        del encoded
         field = "messages" if kind == "chat" else "prompt"
         if not ids:
             raise api.invalid("the prompt is empty", field)
@@ -404,14 +411,13 @@ class FrontEnd:
             log.info("branch ended", branch=lease.info.branch, by="event")
         self.tracker.finish(lease)
 
-    def _encode(self, req: ChatRequest | CompletionRequest) -> tuple[tuple[int, ...], list[int]]:
-        if isinstance(req, ChatRequest):
-            ids = tuple(encode_chat(self.tokenizer, req.messages, req.tools))
-        elif isinstance(req.prompt, tuple):  # token ids, already checked: kept, not copied
-            ids = req.prompt
-        else:
-            ids = tuple(encode_completion(self.tokenizer, req.prompt))
-        return ids, prompt_blocks(ids, self.page_size)
+    def _encode(self, req: ChatRequest | CompletionRequest, info: BranchInfo | None) -> Encoded:
+        """Token ids and page hashes, from the branch's last turn where it still holds (a fork's
+        first turn: from its parent's)."""
+        if info is None:
+            return self.turns.encode(req, None)
+        parent = info.parent if info.event is BranchEvent.FORK else None
+        return self.turns.encode(req, info.branch, parent)
 
     def _response_id(self, prepared: PreparedRequest) -> str:
         return f"{'chatcmpl' if prepared.kind == 'chat' else 'cmpl'}-{prepared.request_id}"
@@ -549,13 +555,15 @@ def build_app(
     max_body_bytes: int = 32 * 2**20,
     expire_interval: float | None = None,
     api_keys: ApiKeys | None = None,
+    turn_cache_bytes: int = DEFAULT_BUDGET_MIB << 20,
 ) -> web.Application:
     """The router's aiohttp application (not started: see `serve`, or aiohttp's test utils).
 
     `models`: the names served (a request for another is a 404; empty: any name is taken, as
     SGLang does); `listed_models`: what `/v1/models` lists when `models` is empty (the names the
     engines report). `expire_interval`: seconds between branch-expiry passes (default: a
-    quarter of the TTL, at most a minute).
+    quarter of the TTL, at most a minute). `turn_cache_bytes`: what the branches' last prompts
+    may hold (`turns.TurnCache`; 0 tokenizes every prompt whole).
     """
     front = FrontEnd(
         dispatcher,
@@ -566,6 +574,7 @@ def build_app(
         models=models,
         listed=listed_models,
         keys=api_keys,
+        turn_cache_bytes=turn_cache_bytes,
     )
     app = web.Application(middlewares=[front.middleware], client_max_size=max_body_bytes)
     app[_CLIENT_MAX] = max_body_bytes

@@ -197,6 +197,7 @@ class BranchTracker:
         self._anonymous: set[int] = set()
         self._ids = itertools.count()
         self.on_event: Callable[[str], None] | None = None  # called with each event's name
+        self.on_end: Callable[[str], None] | None = None  # called with each ended named branch
 
     @property
     def live(self) -> int:
@@ -298,6 +299,8 @@ class BranchTracker:
     def _end(self, branch: str) -> None:
         del self._named[branch]
         self.directory.branch_end(branch)
+        if self.on_end is not None:
+            self.on_end(branch)
 
     def expire(self) -> list[str]:
         """End the named branches idle for longer than the TTL (none with a request running)."""

@@ -16,6 +16,7 @@ from evolving_infra.argtypes import natural_int, port, positive_int, positive_se
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.logs import Level
 from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
+from evolving_infra.router.turns import DEFAULT_BUDGET_MIB
 
 HELP = "run the router daemon: OpenAI-compatible front end, branch API, dispatch to engines"
 DESCRIPTION = """\
@@ -89,6 +90,7 @@ class RouterConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     max_body_bytes: int = DEFAULT_MAX_BODY_MIB * 2**20
     branch_ttl: float = DEFAULT_BRANCH_TTL
+    turn_cache_bytes: int = DEFAULT_BUDGET_MIB * 2**20  # the branches' kept prompts (`turns`)
     log_level: Level = "info"
     planner: bool = True  # False: keep the engines' phases (the "no planner" ablation)
     admission: bool = True  # False: dispatch at once, as SGLang's gateway (`router.admission`)
@@ -118,6 +120,7 @@ class RouterConfig:
             page_size=args.page_size,
             max_body_bytes=args.max_body_mib * 2**20,
             branch_ttl=args.branch_ttl,
+            turn_cache_bytes=args.turn_cache_mib * 2**20,
             log_level=args.log_level,
             planner=not args.no_planner,
             admission=not args.no_admission,
@@ -212,6 +215,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BRANCH_TTL,
         help="seconds after which a named branch with no request is ended, for harnesses that"
         f" never end their branches (default: {DEFAULT_BRANCH_TTL:g})",
+    )
+    parser.add_argument(
+        "--turn-cache-mib",
+        type=natural_int,
+        default=DEFAULT_BUDGET_MIB,
+        help="MiB for each named branch's last prompt (token ids, page hashes, chat text: ~10"
+        " bytes a token), so that its next turn is tokenized and hashed only where it adds to"
+        " it; the least recently used branch goes first (0: tokenize every prompt whole;"
+        f" default: {DEFAULT_BUDGET_MIB})",
     )
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="least level logged (default: info)"

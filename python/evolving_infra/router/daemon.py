@@ -284,6 +284,7 @@ class RouterDaemon:
             listed_models=sorted({e.info.model for e in found if e.info.model}),
             max_body_bytes=cfg.max_body_bytes,
             api_keys=cfg.api_keys,
+            turn_cache_bytes=cfg.turn_cache_bytes,
         )
         if cfg.exposed_without_key:
             log.warning(

@@ -22,7 +22,7 @@ goes away; a dispatcher releases engine work in its generator's `finally`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -35,13 +35,15 @@ class PreparedRequest:
     """One validated request, ready for dispatch.
 
     `token_ids` are what the engines must receive (SGLang `input_ids`): the block hashes were
-    computed from them, so the engines' KV events name the same blocks (see `tokenize.py`).
+    computed from them, so the engines' KV events name the same blocks (see `tokenize.py`). A
+    tuple (ids sent as ids), or the branch's kept `PagedPrompt` (`turns.py`), which writes its
+    own JSON without a Python int per id.
     """
 
     request_id: str
     kind: Literal["chat", "completion"]
     model: str
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
     block_hashes: tuple[int, ...]  # one per full page of `page_size` tokens
     page_size: int
     branch: BranchKey  # the directory's key: the named branch, or the request's anonymous int

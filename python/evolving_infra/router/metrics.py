@@ -70,6 +70,25 @@ class _BranchCollector(Collector):
         yield g
 
 
+class _TurnCacheCollector(Collector):
+    """`evolving_turn_cache_*`: the branches' kept prompts (`router.turns`), at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        branches, nbytes = self._read()
+        yield GaugeMetricFamily(
+            "evolving_turn_cache_branches",
+            "Branches whose last prompt the router keeps, to tokenize and hash only what their"
+            " next turn adds",
+            value=branches,
+        )
+        yield GaugeMetricFamily(
+            "evolving_turn_cache_bytes", "Bytes those kept prompts hold", value=nbytes
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class EngineView:
     """One engine as `/metrics` shows it: its state, phase, the blocks the directory says it
@@ -304,6 +323,18 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "evolving_prompt_tokens", "Prompt tokens of dispatched requests", registry=r
         )
+        self.prompt_tokens_tokenized = Counter(
+            "evolving_prompt_tokens_tokenized",
+            "Prompt tokens the router's tokenizer produced (a branch's next turn tokenizes only"
+            " the messages it adds; ids sent as ids are not tokenized)",
+            registry=r,
+        )
+        self.prompt_tokens_reused = Counter(
+            "evolving_prompt_tokens_reused",
+            "Leading prompt tokens shared with the branch's last prompt, whose pages were not"
+            " hashed again",
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "evolving_cached_prompt_tokens",
             "Prompt tokens the engines served from KV cache (as they report it)",
@@ -327,6 +358,10 @@ class RouterMetrics:
     def watch_branches(self, read: Callable[[], tuple[int, int]]) -> None:
         """Report `read()` = (named, anonymous) live branches as `evolving_branches_live`."""
         self.registry.register(_BranchCollector(read))
+
+    def watch_turn_cache(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Report `read()` = (branches, bytes) of the kept prompts as `evolving_turn_cache_*`."""
+        self.registry.register(_TurnCacheCollector(read))
 
     def watch_engines(self, read: Callable[[], list[EngineView]]) -> None:
         """Report `read()`'s engines: `evolving_engine_state`, `evolving_directory_blocks` and

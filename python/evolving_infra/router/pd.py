@@ -301,7 +301,7 @@ class PdDispatcher:
     ) -> PreparedRequest:
         """`req` gone on after `output`: its prompt and `output` as the prompt, `budget` tokens
         left to generate."""
-        ids = req.token_ids + output
+        ids = (*req.token_ids, *output)
         return dataclasses.replace(
             req,
             token_ids=ids,

@@ -83,15 +83,19 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
     return HfTokenizer.from_file(path)
 
 
-def render_chat(messages: Sequence[ChatMessage], tools: str | None = None) -> str:
-    """Chat messages as one prompt text, in a fixed simple format (not the model's template).
+ASSISTANT_OPEN = "<|assistant|>\n"  # ends every chat prompt: the reply follows
 
-    With `tools` (the request's tool definitions as JSON), the prompt starts with `<|tools|>`, a
+
+def render_parts(messages: Sequence[ChatMessage], tools: str | None = None) -> list[str]:
+    """Chat messages as prompt text, one part per message, in a fixed simple format (not the
+    model's template).
+
+    With `tools` (the request's tool definitions as JSON), the first part is `<|tools|>`, a
     newline, the JSON, `<|end|>` and a newline. Each message is `<|role|>` (with ` name=...` or
     ` tool_call_id=...` when given), a newline, its content, `tool_calls=<JSON>` on its own line
-    when it has tool calls, then `<|end|>` and a newline; the prompt ends with `<|assistant|>` and
-    a newline for the reply. Deterministic, so a branch that resends its history resends the same
-    leading tokens and hits the same blocks.
+    when it has tool calls, then `<|end|>` and a newline. The prompt is the parts, then
+    `ASSISTANT_OPEN` for the reply. Deterministic, so a branch that resends its history resends
+    the same leading parts and hits the same blocks.
     """
     parts = [] if tools is None else [f"<|tools|>\n{tools}<|end|>\n"]
     for m in messages:
@@ -104,14 +108,34 @@ def render_chat(messages: Sequence[ChatMessage], tools: str | None = None) -> st
         if m.tool_calls is not None:
             body += f"\ntool_calls={m.tool_calls}"
         parts.append(f"<|{header}|>\n{body}<|end|>\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
+    return parts
+
+
+def render_chat(messages: Sequence[ChatMessage], tools: str | None = None) -> str:
+    """The whole prompt text of `render_parts`."""
+    return "".join(render_parts(messages, tools)) + ASSISTANT_OPEN
 
 
 def encode_chat(
     tokenizer: Tokenizer, messages: Sequence[ChatMessage], tools: str | None = None
 ) -> list[int]:
-    return tokenizer.encode(render_chat(messages, tools))
+    """A chat prompt's token ids: each part's (`render_parts`), then `ASSISTANT_OPEN`'s.
+
+    Tokenized part by part, not as one text, so that a message's ids never depend on the
+    messages after it: an agent's next turn re-sends the same leading parts, whose ids the
+    router then reuses instead of tokenizing them again (`turns.TurnCache`). Only a BPE merge
+    across a message boundary is given up, where a model's own template puts special tokens.
+    """
+    ids: list[int] = []
+    for part in render_parts(messages, tools):
+        ids.extend(tokenizer.encode(part))
+    ids.extend(assistant_ids(tokenizer))
+    return ids
+
+
+def assistant_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids of `ASSISTANT_OPEN`, which ends every chat prompt."""
+    return tokenizer.encode(ASSISTANT_OPEN)
 
 
 def encode_completion(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:

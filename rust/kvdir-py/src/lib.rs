@@ -7,6 +7,7 @@ mod convert;
 mod directory;
 mod errors;
 mod fastint;
+mod prompt;
 
 use pyo3::prelude::*;
 
@@ -84,6 +85,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_fast_int_layout, m)?)?;
     m.add_class::<directory::KvDirectory>()?;
     m.add_class::<directory::PrefixMatch>()?;
+    m.add_class::<prompt::PyPagedPrompt>()?;
     errors::register(m)?;
     Ok(())
 }

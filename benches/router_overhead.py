@@ -1,0 +1,203 @@
+"""Router overhead against context length, with and without the turn cache (issue 29).
+
+Agents talk to the real router front end (`build_app`, aiohttp on loopback) over the real PD
+dispatch core (`PdDispatcher`, the evolving router, a `KvDirectory`) whose two engine legs answer
+at once. Each agent first sends a context of about `--contexts` tokens, then `--turns` turns,
+each adding an assistant reply and a user message (~`--added` tokens), as a coding agent does.
+Overhead is the router's own figure (`evolving_router_overhead_seconds`: arrival to leaving for
+the engines: parsing, tokenizing, hashing, the branch update, the match and the routing
+decision), read per request through the dispatcher's observer; the first turn of each agent
+(cold: nothing kept) is left out. Each context runs with the turn cache (the default) and
+without it (`--turn-cache-mib 0`), side by side in one run.
+
+Tokenizers: `bpe`, a byte-level BPE of 32k tokens trained here on the project's own sources and
+docs (~3.6 characters a token; a real model's vocabulary is larger, and tokenizes ~1.5-2x
+slower, so the figures without the cache are lower than with one), and `bytes`, the router's
+fallback (one token per byte). Run: `.venv/bin/python benches/router_overhead.py`. Nothing is
+asserted: it prints figures (and `--json FILE` writes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from evolving_infra import KvDirectory, logs
+from evolving_infra.planner.slices import Slices
+from evolving_infra.router.app import build_app
+from evolving_infra.router.branches import BranchTracker
+from evolving_infra.router.dispatcher import Finished, TextPiece
+from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.metrics import RouterMetrics
+from evolving_infra.router.observer import Observers, PlannerFeed
+from evolving_infra.router.pd import PdDispatcher
+from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.tokenize import ByteTokenizer, HfTokenizer, Tokenizer
+from evolving_infra.routing.evolving import EvolvingRouter
+from evolving_infra.timing.model import IterationModel
+
+PAGE = 16
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Legs:
+    """The engines' two legs, answering at once."""
+
+    async def prefill(self, engine: EngineHandle, body: bytes) -> None:
+        return None
+
+    async def decode(self, engine: EngineHandle, body: bytes) -> AsyncGenerator[Any, None]:
+        yield TextPiece("ok", 1)
+        yield Finished("stop", 1, 0)
+
+
+class Overheads(Observers):
+    """Keeps every request's overhead, in seconds."""
+
+    def __init__(self, *observers: Any) -> None:
+        super().__init__(*observers)
+        self.seen: list[float] = []
+
+    def dispatched(self, overhead_s: float) -> None:
+        self.seen.append(overhead_s)
+        super().dispatched(overhead_s)
+
+
+def corpus() -> str:
+    files = sorted((ROOT / "python").rglob("*.py")) + sorted((ROOT / "docs").glob("*.md"))
+    return "".join(f.read_text() for f in files)
+
+
+def train_bpe(text: str) -> Tokenizer:
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    raw = Raw(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=32000, initial_alphabet=alphabet, show_progress=False)
+    raw.train_from_iterator([text], trainer)
+    return HfTokenizer(raw, "bpe-32k")
+
+
+class Text:
+    """Pieces of the corpus, `tokens` long as `tokenizer` counts, from random places."""
+
+    def __init__(self, text: str, tokenizer: Tokenizer, seed: int) -> None:
+        self.text = text
+        sample = text[:200_000]
+        self.chars_per_token = len(sample) / len(tokenizer.encode(sample))
+        self.rng = random.Random(seed)
+
+    def take(self, tokens: int) -> str:
+        n = int(tokens * self.chars_per_token)
+        start = self.rng.randrange(0, max(len(self.text) - n, 1))
+        return self.text[start : start + n]
+
+
+async def agent(
+    client: TestClient[Any, Any], name: str, text: Text, context: int, turns: int, added: int
+) -> None:
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": text.take(context)},
+    ]
+    headers = {"X-Agent-Branch": name}
+    for _ in range(turns + 1):
+        body = {"model": "m", "messages": messages, "max_tokens": 1}
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        messages.append({"role": "assistant", "content": text.take(added // 5)})
+        messages.append({"role": "user", "content": text.take(added - added // 5)})
+
+
+async def measure(
+    tokenizer: Tokenizer, text: Text, context: int, args: argparse.Namespace, cache_mib: int
+) -> list[float]:
+    engines = [
+        EngineHandle(0, "http://127.0.0.1:9000", "prefill", "127.0.0.1", 9000, 10**7),
+        EngineHandle(1, "http://127.0.0.1:9001", "decode", "127.0.0.1", 9001, 10**7),
+    ]
+    model = IterationModel()
+    directory = KvDirectory()
+    seen = Overheads(PlannerFeed(Slices(600.0)))
+    dispatcher = PdDispatcher(
+        EngineRegistry(engines),
+        directory,
+        EvolvingRouter(model, block_size=PAGE, kv_bytes_per_token=1024),
+        model,
+        page_size=PAGE,
+        transport=Legs(),
+        observer=seen,
+    )
+    app = build_app(
+        dispatcher,
+        BranchTracker(directory),
+        tokenizer,
+        RouterMetrics(),
+        page_size=PAGE,
+        max_body_bytes=256 * 2**20,
+        turn_cache_bytes=cache_mib << 20,
+    )
+    out: list[float] = []
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        for a in range(args.agents):
+            seen.seen.clear()
+            await agent(client, f"a{a}", text, context, args.turns, args.added)
+            out.extend(seen.seen[1:])  # the first turn is cold
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="1000,10000,50000,100000",
+                   help="first-turn context sizes, tokens (default: %(default)s)")  # fmt: skip
+    p.add_argument("--turns", type=int, default=10, help="warm turns per agent (default: 10)")
+    p.add_argument("--added", type=int, default=600, help="tokens a turn adds (default: 600)")
+    p.add_argument("--agents", type=int, default=3, help="agents per context (default: 3)")
+    p.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the figures here too")
+    args = p.parse_args()
+    logs.configure(level="warning")  # the router logs a line per request
+    text = corpus()
+    tokenizer = train_bpe(text) if args.tokenizer == "bpe" else ByteTokenizer()
+    rows = []
+    print(f"tokenizer {tokenizer.name}; overhead per warm turn, ms (P50 / P95)")
+    print(f"{'context':>8} | {'turn cache':>17} | {'no turn cache':>17} | P50 ratio")
+    for context in (int(c) for c in args.contexts.split(",")):
+        figures = {}
+        for label, mib in (("cache", 512), ("no_cache", 0)):
+            ms = [
+                x * 1e3
+                for x in asyncio.run(
+                    measure(tokenizer, Text(text, tokenizer, args.seed), context, args, mib)
+                )
+            ]
+            ms.sort()
+            figures[label] = {
+                "p50_ms": statistics.median(ms),
+                "p95_ms": ms[int(0.95 * (len(ms) - 1))],
+                "n": len(ms),
+            }
+        c, n = figures["cache"], figures["no_cache"]
+        ratio = n["p50_ms"] / c["p50_ms"]
+        print(f"{context:>8} | {c['p50_ms']:7.2f} / {c['p95_ms']:7.2f} | "
+              f"{n['p50_ms']:7.2f} / {n['p95_ms']:7.2f} | {ratio:.1f}x")  # fmt: skip
+        rows.append({"context_tokens": context, **figures})
+    if args.json is not None:
+        args.json.write_text(json.dumps({"tokenizer": tokenizer.name, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
