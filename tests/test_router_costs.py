@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evolving_infra import KvDirectory
+from evolving_infra import KvDirectory, PagedPrompt
 from evolving_infra._core import PrefixMatch
 from evolving_infra.planner.slices import Slices
 from evolving_infra.router import api
@@ -49,12 +49,14 @@ def test_ids_json_is_the_json_array_of_the_ids(ids: list[int]) -> None:
     assert ids_json(ids) == json.dumps(ids, separators=(",", ":")).encode()
     assert ids_json(tuple(ids)) == ids_json(ids)
     assert ids_json(collections.deque(ids)) == ids_json(ids)  # any sequence
+    assert ids_json(PagedPrompt(ids, PAGE)) == ids_json(ids)  # a branch's kept prompt: its own
 
 
 def test_ids_json_of_a_random_100k_token_prompt() -> None:
     rng = random.Random(8)
     ids = [rng.randrange(2**18) for _ in range(100_000)]
     assert json.loads(ids_json(ids)) == ids
+    assert ids_json(PagedPrompt(ids, PAGE)) == ids_json(ids)
 
 
 # -- stream chunks ------------------------------------------------------------------------------

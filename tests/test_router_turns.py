@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -124,7 +125,8 @@ def test_token_ids_are_kept_as_sent_and_only_new_pages_hashed() -> None:
     cache = TurnCache(ByteTokenizer(), PAGE)
     ids = tuple(range(1000, 1500))
     a = cache.encode(CompletionRequest("m", ids, SamplingParams()), "b")
-    assert a.ids is ids
+    assert tuple(a.ids) == ids
+    assert a.ids.json() == orjson.dumps(ids)
     assert a.tokenized == 0
     assert a.hashes == block_hashes(ids, PAGE)
     longer = (*ids, *range(7, 300))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from evolving_infra import PagedPrompt
@@ -45,7 +44,7 @@ DEFAULT_BUDGET_MIB = 512
 class Encoded:
     """A prompt's token ids and page hashes, and what its branch's last turn spared."""
 
-    ids: Sequence[int]  # a tuple of ids sent as ids, else the kept `PagedPrompt`
+    ids: PagedPrompt  # a sequence of the ids, kept as the branch's last prompt
     hashes: list[int]
     tokenized: int  # tokens the tokenizer produced for this request (0 for ids sent as ids)
     reused: int  # leading tokens shared with the branch's last prompt: their pages not rehashed
@@ -92,21 +91,19 @@ class TurnCache:
         `after`'s, a fork's parent, when the branch has none yet); kept as `branch`'s last turn.
         No branch: computed whole and not kept."""
         last = self._get(branch, after)
-        sent: tuple[int, ...] | None = None
         if isinstance(req, ChatRequest):
             turn, tokenized = self._chat(req, last)
         else:
-            sent = req.prompt if isinstance(req.prompt, tuple) else None
+            text = isinstance(req.prompt, str)
             ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-            tokenized = 0 if sent is not None else len(ids)
+            tokenized = len(ids) if text else 0
             turn = _Turn((), (), PagedPrompt(ids, self.page_size, _prompt(last)))
         if branch is not None:
             self._put(branch, turn)
         prompt = turn.prompt
-        # Ids sent as ids go on as the tuple they came in; the rest as the kept prompt, which
-        # writes the engines' JSON itself (`transport.ids_json`).
-        out: Sequence[int] = prompt if sent is None else sent
-        return Encoded(out, prompt.hashes(), tokenized, prompt.reused)
+        # The kept prompt goes on as the request's ids (ids sent as ids too: it writes the
+        # engines' JSON ~4x faster than orjson writes the tuple, `transport.ids_json`).
+        return Encoded(prompt, prompt.hashes(), tokenized, prompt.reused)
 
     def _chat(self, req: ChatRequest, last: _Turn | None) -> tuple[_Turn, int]:
         """The chat prompt's turn and the tokens tokenized for it: the parts `last` ends with
