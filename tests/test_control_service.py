@@ -33,6 +33,7 @@ from evolving_infra.control import (
     KvLocation,
     PrefetchRequest,
     PrefetchResult,
+    StaleLeaderError,
     SwitchRequest,
     SwitchResult,
     TransferRequest,
@@ -240,6 +241,26 @@ def test_switch_phase_errors_are_typed() -> None:
             await slow
         with pytest.raises(EngineTimeoutError, match=r"engine at 127\.0\.0\.1"):
             await client.switch_phase("decode", drain_timeout_s=1.0, timeout=0.1)
+
+    run(body)
+
+
+def test_a_stale_leader_epoch_is_refused_before_the_engine_sees_it() -> None:
+    async def body(client: EngineClient, engine: MemoryEngine, _: str) -> None:
+        # A new leader fences the engine with a no-op (its current phase) at its epoch...
+        assert (await client.switch_phase("prefill", leader_epoch=7)).total_s == 0.0
+        # ...after which the deposed leader's switch (epoch 6, or a router without replicas)
+        # is refused, and the phase is untouched.
+        for stale in (6, 0):
+            with pytest.raises(StaleLeaderError, match=f"epoch {stale} is stale.*seen epoch 7"):
+                await client.switch_phase("decode", leader_epoch=stale)
+        assert (await client.get_info()).phase == "prefill"
+        assert (await client.switch_phase("decode", leader_epoch=7)).phase == "decode"
+        assert (await client.switch_phase("prefill", leader_epoch=9)).phase == "prefill"
+        with pytest.raises(StaleLeaderError):
+            await client.switch_phase("decode", leader_epoch=8)
+        with pytest.raises(InvalidRequestError, match="leader_epoch"):
+            await client.switch_phase("decode", leader_epoch=-1)
 
     run(body)
 

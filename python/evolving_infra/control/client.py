@@ -103,13 +103,17 @@ class EngineClient:
         *,
         drain_timeout_s: float = 0.0,
         keep_kv: bool = True,
+        leader_epoch: int = 0,
         timeout: float | None = None,
     ) -> SwitchResult:
         """Drain, switch to `target` in place, keep the KV unless told not to.
 
         `timeout` (the call's deadline) should exceed `drain_timeout_s` plus the switch itself.
+        `leader_epoch`: the caller's leader lease epoch (`router.replicas`); an engine that has
+        seen a higher one refuses with `StaleLeaderError`.
         """
-        request = convert.switch_to_pb(SwitchRequest(target, drain_timeout_s, keep_kv))
+        record = SwitchRequest(target, drain_timeout_s, keep_kv, leader_epoch)
+        request = convert.switch_to_pb(record)
         reply = await self._call(self._stub.SwitchPhase, request, timeout)
         return convert.switch_result_from_pb(reply)
 

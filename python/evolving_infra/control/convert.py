@@ -74,14 +74,17 @@ def _response_phase(value: int, what: str) -> Phase:
 
 def switch_to_pb(r: SwitchRequest) -> pb.SwitchPhaseRequest:
     return pb.SwitchPhaseRequest(
-        target_phase=PHASE_TO_PB[r.target], drain_timeout_s=r.drain_timeout_s, keep_kv=r.keep_kv
+        target_phase=PHASE_TO_PB[r.target],
+        drain_timeout_s=r.drain_timeout_s,
+        keep_kv=r.keep_kv,
+        leader_epoch=r.leader_epoch,
     )
 
 
 def switch_from_pb(m: pb.SwitchPhaseRequest) -> SwitchRequest:
     keep = m.keep_kv if m.HasField("keep_kv") else True
     phase = _request_phase(m.target_phase, "SwitchPhase target_phase")
-    return SwitchRequest(phase, m.drain_timeout_s, keep)
+    return SwitchRequest(phase, m.drain_timeout_s, keep, m.leader_epoch)
 
 
 def location_to_pb(loc: KvLocation) -> pb.KvLocation:

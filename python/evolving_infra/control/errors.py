@@ -62,6 +62,13 @@ class EngineBusyError(EngineControlError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class StaleLeaderError(EngineControlError):
+    """A `SwitchPhase` from a router replica whose leader lease was superseded: the engine has
+    seen a higher epoch (`SwitchRequest.leader_epoch`) since."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class DrainTimeoutError(EngineControlError):
     """Running requests did not finish within the drain timeout; the phase did not change."""
 
@@ -115,6 +122,7 @@ _CLASSES: tuple[type[EngineControlError], ...] = (
     InvalidRequestError,
     UnknownBlocksError,
     EngineBusyError,
+    StaleLeaderError,
     DrainTimeoutError,
     CapacityError,
     UnsupportedError,
@@ -127,7 +135,7 @@ _BY_KIND = {cls.__name__: cls for cls in _CLASSES}
 # The default class of a status code when the detail does not name one (transport errors,
 # a server that is not ours). UNKNOWN is what grpc reports for an exception escaping a handler.
 _BY_CODE: dict[grpc.StatusCode, type[EngineControlError]] = {
-    cls.code: cls for cls in _CLASSES if cls is not BadResponseError
+    cls.code: cls for cls in _CLASSES if cls is not StaleLeaderError
 }
 _BY_CODE[grpc.StatusCode.UNKNOWN] = EngineInternalError
 _BY_CODE[grpc.StatusCode.DATA_LOSS] = EngineInternalError

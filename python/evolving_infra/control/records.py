@@ -77,10 +77,17 @@ class SwitchRequest:
     target: Phase
     drain_timeout_s: float = 0.0  # 0: the engine's default
     keep_kv: bool = True
+    # The planner's leader lease epoch (0: a router without replicas): the server refuses one
+    # below the highest it has seen (`StaleLeaderError`), before the engine sees the request.
+    leader_epoch: int = 0
 
     def __post_init__(self) -> None:
         if self.target not in PHASES:
             raise InvalidRequestError(f"SwitchPhase: unknown phase {self.target!r}")
+        if not 0 <= self.leader_epoch < 2**64:
+            raise InvalidRequestError(
+                f"SwitchPhase: leader_epoch must be in [0, 2^64), got {self.leader_epoch}"
+            )
         t = self.drain_timeout_s
         if not math.isfinite(t) or not 0 <= t <= MAX_DRAIN_TIMEOUT_S:
             raise InvalidRequestError(

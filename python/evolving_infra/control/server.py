@@ -25,6 +25,7 @@ from evolving_infra.control.errors import (
     EngineControlError,
     EngineInternalError,
     InvalidRequestError,
+    StaleLeaderError,
     UnauthenticatedError,
     UnsupportedError,
     to_status,
@@ -102,6 +103,7 @@ class _Servicer:
     def __init__(self, service: EngineControlService, api_key: str | None = None) -> None:
         self.service = service
         self._key = None if api_key is None else f"Bearer {api_key}".encode()
+        self.leader_epoch = 0  # the highest `SwitchRequest.leader_epoch` seen
 
     def _authorize(self, rpc: str, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
         """Raises `UnauthenticatedError` unless the call carries the control API key (when the
@@ -164,7 +166,16 @@ class _Servicer:
         self, raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> bytes:
         async def handle(m: pb.SwitchPhaseRequest) -> Message:
-            result = await self.service.switch_phase(convert.switch_from_pb(m))
+            request = convert.switch_from_pb(m)
+            # Fencing: checked and raised with no await between, so two calls cannot both pass
+            # on the same epoch check; the engine never sees a deposed leader's switch.
+            if request.leader_epoch < self.leader_epoch:
+                raise StaleLeaderError(
+                    f"SwitchPhase: leader epoch {request.leader_epoch} is stale: this engine"
+                    f" has seen epoch {self.leader_epoch} (another router replica leads)"
+                )
+            self.leader_epoch = request.leader_epoch
+            result = await self.service.switch_phase(request)
             return convert.switch_result_to_pb(result)
 
         return await self._unary("SwitchPhase", raw, context, pb.SwitchPhaseRequest, handle)

@@ -24,55 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65volving_infra/v1/engine.proto\x12\x11\x65volving_infra.v1\"+\n\x0b\x45rrorDetail\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x12\"\x10\n\x0eGetInfoRequest\"\xee\x02\n\nEngineInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\'\n\x05phase\x18\x04 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x1a\n\x12l1_capacity_blocks\x18\x06 \x01(\x04\x12\x1a\n\x12l2_capacity_blocks\x18\x07 \x01(\x04\x12\x16\n\x0el1_used_blocks\x18\x08 \x01(\x04\x12\x16\n\x0el2_used_blocks\x18\t \x01(\x04\x12\x10\n\x08http_url\x18\n \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\x0b \x01(\t\x12\x1a\n\x12kv_replay_endpoint\x18\x0c \x01(\t\x12\x18\n\x10samples_endpoint\x18\r \x01(\t\x12\x0f\n\x07version\x18\x0e \x01(\t\x12\x16\n\x0e\x62ootstrap_port\x18\x0f \x01(\r\"\x7f\n\x12SwitchPhaseRequest\x12.\n\x0ctarget_phase\x18\x01 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\x12\x14\n\x07keep_kv\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_keep_kv\"\xd4\x01\n\x13SwitchPhaseResponse\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x30\n\x0eprevious_phase\x18\x02 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x10\n\x08switch_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x16\n\x0el1_blocks_kept\x18\x06 \x01(\x04\x12\x16\n\x0el2_blocks_kept\x18\x07 \x01(\x04\"f\n\nKvLocation\x12%\n\x04tier\x18\x01 \x01(\x0e\x32\x17.evolving_infra.v1.Tier\x12\x14\n\x07node_id\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\tB\n\n\x08_node_id\"\xba\x01\n\x11TransferKVRequest\x12-\n\x06source\x18\x01 \x01(\x0b\x32\x1d.evolving_infra.v1.KvLocation\x12\x32\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x1d.evolving_infra.v1.KvLocation\x12\x0e\n\x06hashes\x18\x03 \x03(\x12\x12\x15\n\rallow_partial\x18\x04 \x01(\x08\x12\x1b\n\x13\x61nswer_when_started\x18\x05 \x01(\x08\"b\n\x12TransferKVResponse\x12\x14\n\x0c\x62locks_moved\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0emissing_hashes\x18\x04 \x03(\x12\"\x83\x01\n\x0fPrefetchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x12\x12\'\n\x06source\x18\x03 \x01(\x0e\x32\x17.evolving_infra.v1.Tier\x12\x0c\n\x04wait\x18\x04 \x01(\x08\x12\x15\n\rallow_partial\x18\x05 \x01(\x08\"i\n\x10PrefetchResponse\x12\x16\n\x0e\x62locks_started\x18\x01 \x01(\r\x12\x14\n\x0c\x62locks_ready\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0emissing_hashes\x18\x04 \x03(\x12\".\n\x0c\x45victionHint\x12\x0c\n\x04hash\x18\x01 \x01(\x12\x12\x10\n\x08priority\x18\x02 \x01(\r\"Z\n\x17SetEvictionHintsRequest\x12.\n\x05hints\x18\x01 \x03(\x0b\x32\x1f.evolving_infra.v1.EvictionHint\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"<\n\x18SetEvictionHintsResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0f\n\x07ignored\x18\x02 \x01(\r\"\x1f\n\x1dStreamIterationSamplesRequest\"=\n\x0bPrefillItem\x12\x17\n\x0funcached_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"\xcf\x02\n\x0fIterationSample\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0btimestamp_s\x18\x02 \x01(\x01\x12\'\n\x05phase\x18\x03 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x0e\n\x06wall_s\x18\x04 \x01(\x01\x12/\n\x07prefill\x18\x05 \x03(\x0b\x32\x1e.evolving_infra.v1.PrefillItem\x12\x18\n\x10prefill_requests\x18\x06 \x01(\r\x12\x1f\n\x17prefill_uncached_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14prefill_uncached_var\x18\x08 \x01(\x01\x12\x1d\n\x15prefill_cached_tokens\x18\t \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_batch_size\x18\n \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_context_tokens\x18\x0b \x01(\x04\"\x0f\n\rHealthRequest\"x\n\x0eHealthResponse\x12-\n\x05state\x18\x01 \x01(\x0e\x32\x1e.evolving_infra.v1.HealthState\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\'\n\x05phase\x18\x03 \x01(\x0e\x32\x18.evolving_infra.v1.Phase*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*E\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0b\n\x07TIER_L1\x10\x01\x12\x0b\n\x07TIER_L2\x10\x02\x12\r\n\tTIER_POOL\x10\x03*\x93\x01\n\x0bHealthState\x12\x1c\n\x18HEALTH_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14HEALTH_STATE_SERVING\x10\x01\x12\x19\n\x15HEALTH_STATE_DRAINING\x10\x02\x12\x1a\n\x16HEALTH_STATE_SWITCHING\x10\x03\x12\x15\n\x11HEALTH_STATE_DOWN\x10\x04\x32\x98\x05\n\rEngineControl\x12K\n\x07GetInfo\x12!.evolving_infra.v1.GetInfoRequest\x1a\x1d.evolving_infra.v1.EngineInfo\x12\\\n\x0bSwitchPhase\x12%.evolving_infra.v1.SwitchPhaseRequest\x1a&.evolving_infra.v1.SwitchPhaseResponse\x12Y\n\nTransferKV\x12$.evolving_infra.v1.TransferKVRequest\x1a%.evolving_infra.v1.TransferKVResponse\x12S\n\x08Prefetch\x12\".evolving_infra.v1.PrefetchRequest\x1a#.evolving_infra.v1.PrefetchResponse\x12k\n\x10SetEvictionHints\x12*.evolving_infra.v1.SetEvictionHintsRequest\x1a+.evolving_infra.v1.SetEvictionHintsResponse\x12p\n\x16StreamIterationSamples\x12\x30.evolving_infra.v1.StreamIterationSamplesRequest\x1a\".evolving_infra.v1.IterationSample0\x01\x12M\n\x06Health\x12 .evolving_infra.v1.HealthRequest\x1a!.evolving_infra.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65volving_infra/v1/engine.proto\x12\x11\x65volving_infra.v1\"+\n\x0b\x45rrorDetail\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x12\"\x10\n\x0eGetInfoRequest\"\xee\x02\n\nEngineInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\'\n\x05phase\x18\x04 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x1a\n\x12l1_capacity_blocks\x18\x06 \x01(\x04\x12\x1a\n\x12l2_capacity_blocks\x18\x07 \x01(\x04\x12\x16\n\x0el1_used_blocks\x18\x08 \x01(\x04\x12\x16\n\x0el2_used_blocks\x18\t \x01(\x04\x12\x10\n\x08http_url\x18\n \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\x0b \x01(\t\x12\x1a\n\x12kv_replay_endpoint\x18\x0c \x01(\t\x12\x18\n\x10samples_endpoint\x18\r \x01(\t\x12\x0f\n\x07version\x18\x0e \x01(\t\x12\x16\n\x0e\x62ootstrap_port\x18\x0f \x01(\r\"\x95\x01\n\x12SwitchPhaseRequest\x12.\n\x0ctarget_phase\x18\x01 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\x12\x14\n\x07keep_kv\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x14\n\x0cleader_epoch\x18\x04 \x01(\x04\x42\n\n\x08_keep_kv\"\xd4\x01\n\x13SwitchPhaseResponse\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x30\n\x0eprevious_phase\x18\x02 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x10\n\x08switch_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x16\n\x0el1_blocks_kept\x18\x06 \x01(\x04\x12\x16\n\x0el2_blocks_kept\x18\x07 \x01(\x04\"f\n\nKvLocation\x12%\n\x04tier\x18\x01 \x01(\x0e\x32\x17.evolving_infra.v1.Tier\x12\x14\n\x07node_id\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\tB\n\n\x08_node_id\"\xba\x01\n\x11TransferKVRequest\x12-\n\x06source\x18\x01 \x01(\x0b\x32\x1d.evolving_infra.v1.KvLocation\x12\x32\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x1d.evolving_infra.v1.KvLocation\x12\x0e\n\x06hashes\x18\x03 \x03(\x12\x12\x15\n\rallow_partial\x18\x04 \x01(\x08\x12\x1b\n\x13\x61nswer_when_started\x18\x05 \x01(\x08\"b\n\x12TransferKVResponse\x12\x14\n\x0c\x62locks_moved\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0emissing_hashes\x18\x04 \x03(\x12\"\x83\x01\n\x0fPrefetchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x12\x12\'\n\x06source\x18\x03 \x01(\x0e\x32\x17.evolving_infra.v1.Tier\x12\x0c\n\x04wait\x18\x04 \x01(\x08\x12\x15\n\rallow_partial\x18\x05 \x01(\x08\"i\n\x10PrefetchResponse\x12\x16\n\x0e\x62locks_started\x18\x01 \x01(\r\x12\x14\n\x0c\x62locks_ready\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0emissing_hashes\x18\x04 \x03(\x12\".\n\x0c\x45victionHint\x12\x0c\n\x04hash\x18\x01 \x01(\x12\x12\x10\n\x08priority\x18\x02 \x01(\r\"Z\n\x17SetEvictionHintsRequest\x12.\n\x05hints\x18\x01 \x03(\x0b\x32\x1f.evolving_infra.v1.EvictionHint\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"<\n\x18SetEvictionHintsResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0f\n\x07ignored\x18\x02 \x01(\r\"\x1f\n\x1dStreamIterationSamplesRequest\"=\n\x0bPrefillItem\x12\x17\n\x0funcached_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"\xcf\x02\n\x0fIterationSample\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0btimestamp_s\x18\x02 \x01(\x01\x12\'\n\x05phase\x18\x03 \x01(\x0e\x32\x18.evolving_infra.v1.Phase\x12\x0e\n\x06wall_s\x18\x04 \x01(\x01\x12/\n\x07prefill\x18\x05 \x03(\x0b\x32\x1e.evolving_infra.v1.PrefillItem\x12\x18\n\x10prefill_requests\x18\x06 \x01(\r\x12\x1f\n\x17prefill_uncached_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14prefill_uncached_var\x18\x08 \x01(\x01\x12\x1d\n\x15prefill_cached_tokens\x18\t \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_batch_size\x18\n \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_context_tokens\x18\x0b \x01(\x04\"\x0f\n\rHealthRequest\"x\n\x0eHealthResponse\x12-\n\x05state\x18\x01 \x01(\x0e\x32\x1e.evolving_infra.v1.HealthState\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\'\n\x05phase\x18\x03 \x01(\x0e\x32\x18.evolving_infra.v1.Phase*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*E\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0b\n\x07TIER_L1\x10\x01\x12\x0b\n\x07TIER_L2\x10\x02\x12\r\n\tTIER_POOL\x10\x03*\x93\x01\n\x0bHealthState\x12\x1c\n\x18HEALTH_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14HEALTH_STATE_SERVING\x10\x01\x12\x19\n\x15HEALTH_STATE_DRAINING\x10\x02\x12\x1a\n\x16HEALTH_STATE_SWITCHING\x10\x03\x12\x15\n\x11HEALTH_STATE_DOWN\x10\x04\x32\x98\x05\n\rEngineControl\x12K\n\x07GetInfo\x12!.evolving_infra.v1.GetInfoRequest\x1a\x1d.evolving_infra.v1.EngineInfo\x12\\\n\x0bSwitchPhase\x12%.evolving_infra.v1.SwitchPhaseRequest\x1a&.evolving_infra.v1.SwitchPhaseResponse\x12Y\n\nTransferKV\x12$.evolving_infra.v1.TransferKVRequest\x1a%.evolving_infra.v1.TransferKVResponse\x12S\n\x08Prefetch\x12\".evolving_infra.v1.PrefetchRequest\x1a#.evolving_infra.v1.PrefetchResponse\x12k\n\x10SetEvictionHints\x12*.evolving_infra.v1.SetEvictionHintsRequest\x1a+.evolving_infra.v1.SetEvictionHintsResponse\x12p\n\x16StreamIterationSamples\x12\x30.evolving_infra.v1.StreamIterationSamplesRequest\x1a\".evolving_infra.v1.IterationSample0\x01\x12M\n\x06Health\x12 .evolving_infra.v1.HealthRequest\x1a!.evolving_infra.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'evolving_infra.control.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASE']._serialized_start=2238
-  _globals['_PHASE']._serialized_end=2305
-  _globals['_TIER']._serialized_start=2307
-  _globals['_TIER']._serialized_end=2376
-  _globals['_HEALTHSTATE']._serialized_start=2379
-  _globals['_HEALTHSTATE']._serialized_end=2526
+  _globals['_PHASE']._serialized_start=2261
+  _globals['_PHASE']._serialized_end=2328
+  _globals['_TIER']._serialized_start=2330
+  _globals['_TIER']._serialized_end=2399
+  _globals['_HEALTHSTATE']._serialized_start=2402
+  _globals['_HEALTHSTATE']._serialized_end=2549
   _globals['_ERRORDETAIL']._serialized_start=53
   _globals['_ERRORDETAIL']._serialized_end=96
   _globals['_GETINFOREQUEST']._serialized_start=98
   _globals['_GETINFOREQUEST']._serialized_end=114
   _globals['_ENGINEINFO']._serialized_start=117
   _globals['_ENGINEINFO']._serialized_end=483
-  _globals['_SWITCHPHASEREQUEST']._serialized_start=485
-  _globals['_SWITCHPHASEREQUEST']._serialized_end=612
-  _globals['_SWITCHPHASERESPONSE']._serialized_start=615
-  _globals['_SWITCHPHASERESPONSE']._serialized_end=827
-  _globals['_KVLOCATION']._serialized_start=829
-  _globals['_KVLOCATION']._serialized_end=931
-  _globals['_TRANSFERKVREQUEST']._serialized_start=934
-  _globals['_TRANSFERKVREQUEST']._serialized_end=1120
-  _globals['_TRANSFERKVRESPONSE']._serialized_start=1122
-  _globals['_TRANSFERKVRESPONSE']._serialized_end=1220
-  _globals['_PREFETCHREQUEST']._serialized_start=1223
-  _globals['_PREFETCHREQUEST']._serialized_end=1354
-  _globals['_PREFETCHRESPONSE']._serialized_start=1356
-  _globals['_PREFETCHRESPONSE']._serialized_end=1461
-  _globals['_EVICTIONHINT']._serialized_start=1463
-  _globals['_EVICTIONHINT']._serialized_end=1509
-  _globals['_SETEVICTIONHINTSREQUEST']._serialized_start=1511
-  _globals['_SETEVICTIONHINTSREQUEST']._serialized_end=1601
-  _globals['_SETEVICTIONHINTSRESPONSE']._serialized_start=1603
-  _globals['_SETEVICTIONHINTSRESPONSE']._serialized_end=1663
-  _globals['_STREAMITERATIONSAMPLESREQUEST']._serialized_start=1665
-  _globals['_STREAMITERATIONSAMPLESREQUEST']._serialized_end=1696
-  _globals['_PREFILLITEM']._serialized_start=1698
-  _globals['_PREFILLITEM']._serialized_end=1759
-  _globals['_ITERATIONSAMPLE']._serialized_start=1762
-  _globals['_ITERATIONSAMPLE']._serialized_end=2097
-  _globals['_HEALTHREQUEST']._serialized_start=2099
-  _globals['_HEALTHREQUEST']._serialized_end=2114
-  _globals['_HEALTHRESPONSE']._serialized_start=2116
-  _globals['_HEALTHRESPONSE']._serialized_end=2236
-  _globals['_ENGINECONTROL']._serialized_start=2529
-  _globals['_ENGINECONTROL']._serialized_end=3193
+  _globals['_SWITCHPHASEREQUEST']._serialized_start=486
+  _globals['_SWITCHPHASEREQUEST']._serialized_end=635
+  _globals['_SWITCHPHASERESPONSE']._serialized_start=638
+  _globals['_SWITCHPHASERESPONSE']._serialized_end=850
+  _globals['_KVLOCATION']._serialized_start=852
+  _globals['_KVLOCATION']._serialized_end=954
+  _globals['_TRANSFERKVREQUEST']._serialized_start=957
+  _globals['_TRANSFERKVREQUEST']._serialized_end=1143
+  _globals['_TRANSFERKVRESPONSE']._serialized_start=1145
+  _globals['_TRANSFERKVRESPONSE']._serialized_end=1243
+  _globals['_PREFETCHREQUEST']._serialized_start=1246
+  _globals['_PREFETCHREQUEST']._serialized_end=1377
+  _globals['_PREFETCHRESPONSE']._serialized_start=1379
+  _globals['_PREFETCHRESPONSE']._serialized_end=1484
+  _globals['_EVICTIONHINT']._serialized_start=1486
+  _globals['_EVICTIONHINT']._serialized_end=1532
+  _globals['_SETEVICTIONHINTSREQUEST']._serialized_start=1534
+  _globals['_SETEVICTIONHINTSREQUEST']._serialized_end=1624
+  _globals['_SETEVICTIONHINTSRESPONSE']._serialized_start=1626
+  _globals['_SETEVICTIONHINTSRESPONSE']._serialized_end=1686
+  _globals['_STREAMITERATIONSAMPLESREQUEST']._serialized_start=1688
+  _globals['_STREAMITERATIONSAMPLESREQUEST']._serialized_end=1719
+  _globals['_PREFILLITEM']._serialized_start=1721
+  _globals['_PREFILLITEM']._serialized_end=1782
+  _globals['_ITERATIONSAMPLE']._serialized_start=1785
+  _globals['_ITERATIONSAMPLE']._serialized_end=2120
+  _globals['_HEALTHREQUEST']._serialized_start=2122
+  _globals['_HEALTHREQUEST']._serialized_end=2137
+  _globals['_HEALTHRESPONSE']._serialized_start=2139
+  _globals['_HEALTHRESPONSE']._serialized_end=2259
+  _globals['_ENGINECONTROL']._serialized_start=2552
+  _globals['_ENGINECONTROL']._serialized_end=3216
 # @@protoc_insertion_point(module_scope)

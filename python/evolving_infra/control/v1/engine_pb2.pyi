@@ -245,6 +245,7 @@ class SwitchPhaseRequest(_message.Message):
     TARGET_PHASE_FIELD_NUMBER: _builtins.int
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     KEEP_KV_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     target_phase: Global___Phase.ValueType
     """PREFILL or DECODE; the current phase is a no-op that returns zeros"""
     drain_timeout_s: _builtins.float
@@ -253,16 +254,24 @@ class SwitchPhaseRequest(_message.Message):
     """
     keep_kv: _builtins.bool
     """Keep the KV cache across the switch (unset means true). False drops L1 and L2 (Arrow-like)."""
+    leader_epoch: _builtins.int
+    """The fencing token of the router replica that runs the planner (its leader lease's epoch;
+    0: a router without replicas). The engine refuses (FAILED_PRECONDITION, kind
+    StaleLeaderError) an epoch below the highest it has seen, so that a deposed leader's switch
+    never lands after its successor's; the current phase with a new epoch is how a new leader
+    fences every engine before it decides.
+    """
     def __init__(
         self,
         *,
         target_phase: Global___Phase.ValueType = ...,
         drain_timeout_s: _builtins.float = ...,
         keep_kv: _builtins.bool | None = ...,
+        leader_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_keep_kv", b"_keep_kv", "keep_kv", b"keep_kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_keep_kv", b"_keep_kv", "drain_timeout_s", b"drain_timeout_s", "keep_kv", b"keep_kv", "target_phase", b"target_phase"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_keep_kv", b"_keep_kv", "drain_timeout_s", b"drain_timeout_s", "keep_kv", b"keep_kv", "leader_epoch", b"leader_epoch", "target_phase", b"target_phase"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__keep_kv: _TypeAlias = _typing.Literal["keep_kv"]  # noqa: Y015
     _WhichOneofArgType__keep_kv: _TypeAlias = _typing.Literal["_keep_kv", b"_keep_kv"]  # noqa: Y015
