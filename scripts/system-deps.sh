@@ -7,7 +7,8 @@
 #   scripts/system-deps.sh test    # make test: build's, and clippy, rustfmt, then the libraries
 #                                  # Mooncake's wheel loads (libibverbs, libnuma, libcurl: even
 #                                  # over TCP) and what SGLang's page-hash extension compiles
-#                                  # with (g++, OpenSSL's headers)
+#                                  # with (g++, OpenSSL's headers), and the coordination
+#                                  # service router replicas share (redis-server)
 #
 # Exit status 0 when everything is there (after installing it), 2 when something is missing.
 set -euo pipefail
@@ -48,6 +49,7 @@ if [[ $target == test ]]; then
         "libcurl4|has_lib libcurl.so.4"
         "g++|command -v g++"
         "libssl-dev|test -e /usr/include/openssl/sha.h"
+        "redis-server|command -v redis-server"
     )
 fi
 

@@ -16,6 +16,7 @@ from evolving_infra.argtypes import natural_int, port, positive_int, positive_se
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.logs import Level
 from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
+from evolving_infra.router.replicas import DEFAULT_TTL_S as DEFAULT_LEASE_TTL
 from evolving_infra.router.turns import DEFAULT_BUDGET_MIB
 
 HELP = "run the router daemon: OpenAI-compatible front end, branch API, dispatch to engines"
@@ -66,6 +67,16 @@ class EngineSpec:
         return self.address
 
 
+def redis_url(text: str) -> str:
+    """A Redis URL (redis://host:port/db, rediss:// with TLS, unix:// a socket)."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("redis", "rediss", "unix") or not rest:
+        raise argparse.ArgumentTypeError(
+            f"expected a Redis URL such as redis://127.0.0.1:6379/0, got {text!r}"
+        )
+    return text
+
+
 def engine_spec(text: str) -> EngineSpec:
     """`HOST:PORT` of an engine's control service."""
     host, sep, number = text.rpartition(":")
@@ -102,6 +113,12 @@ class RouterConfig:
     max_queue_wait: float = DEFAULT_MAX_QUEUE_WAIT
     context_length: int | None = None  # None: the model's, when the router knows the model
     migration_limit: int = DEFAULT_MIGRATION_LIMIT  # broken decode streams a request survives
+    # Router replicas: the coordination service's URL (redis://host:port/db; None: no
+    # replicas, this router runs the planner), this replica's name (None: host:port) and the
+    # leader lease's time to live.
+    coordination: str | None = None
+    replica: str | None = None
+    lease_ttl: float = DEFAULT_LEASE_TTL
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -130,6 +147,9 @@ class RouterConfig:
             max_queue_wait=args.max_queue_wait,
             context_length=args.context_length,
             migration_limit=args.migration_limit,
+            coordination=args.coordination,
+            replica=args.replica,
+            lease_ttl=args.lease_ttl,
             control_api_key=secret(args.control_api_key, CONTROL_API_KEY_ENV),
             api_keys=ApiKeys(
                 data=secret(args.api_key, API_KEY_ENV),
@@ -215,6 +235,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BRANCH_TTL,
         help="seconds after which a named branch with no request is ended, for harnesses that"
         f" never end their branches (default: {DEFAULT_BRANCH_TTL:g})",
+    )
+    parser.add_argument(
+        "--coordination",
+        metavar="URL",
+        type=redis_url,
+        help="router replicas: the Redis server they share (redis://host:port/db). The replica"
+        " holding the leader lease runs the planner; every phase switch carries the lease's"
+        " epoch, and engines refuse a deposed leader's (default: none, this router plans alone)",
+    )
+    parser.add_argument(
+        "--replica",
+        metavar="NAME",
+        help="this replica's name among the routers sharing --coordination (default: host:port)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=positive_seconds,
+        default=DEFAULT_LEASE_TTL,
+        help="seconds the leader lease lasts without renewal: a replica that dies hands the"
+        f" planner over within this (default: {DEFAULT_LEASE_TTL:g})",
     )
     parser.add_argument(
         "--turn-cache-mib",

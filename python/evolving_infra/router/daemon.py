@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.replicas import LeaderLease
 from evolving_infra.router.server import Serving, serve
 from evolving_infra.router.tokenize import load_tokenizer
 from evolving_infra.router.transport import HttpTransport
@@ -196,6 +198,7 @@ class RouterDaemon:
         self.registry = EngineRegistry()  # filled when the engines answer (`start`)
         self.dispatcher: PdDispatcher | None = None
         self.planner: LivePlanner | None = None
+        self.lease: LeaderLease | None = None  # with router replicas (`--coordination`)
         self.tracker = BranchTracker(self.directory, config.branch_ttl)
         self.serving: Serving | None = None
         self.port = 0
@@ -238,6 +241,7 @@ class RouterDaemon:
         self._session = aiohttp.ClientSession()
         for e in found:
             self.registry.add(handle_of(e.info))
+        self.lease = None if cfg.coordination is None else self._lease(cfg)
         self.planner = LivePlanner(
             self.registry,
             {n: e.client for n, e in self.engines.items()},
@@ -246,6 +250,7 @@ class RouterDaemon:
             interval=cfg.planner_interval,
             enabled=cfg.planner,
             nodes=len(cfg.engines),
+            lease=self.lease,
         )
         self.dispatcher = PdDispatcher(
             self.registry,
@@ -303,6 +308,8 @@ class RouterDaemon:
             asyncio.create_task(self.planner.run(), name="planner"),
             asyncio.create_task(self._hints_loop(), name="hints"),
         ]
+        if self.lease is not None:
+            self._tasks.append(asyncio.create_task(self.lease.run(), name="lease"))
         for t in self._tasks:
             t.add_done_callback(_said_if_failed)
         log.info(
@@ -311,6 +318,14 @@ class RouterDaemon:
             port=self.port,
             engines={n: f"{e.info.phase}@{e.address}" for n, e in sorted(self.engines.items())},
         )
+
+    def _lease(self, cfg: RouterConfig) -> LeaderLease:
+        """The leader lease in the coordination service (`replicas.LeaderLease`)."""
+        import redis.asyncio as aredis
+
+        assert cfg.coordination is not None
+        replica = cfg.replica or f"{socket.gethostname()}:{cfg.port}"
+        return LeaderLease(aredis.from_url(cfg.coordination), replica, ttl_s=cfg.lease_ttl)
 
     def _observe(self, node: int, sample: Sample) -> None:
         try:
@@ -466,6 +481,8 @@ class RouterDaemon:
             switches_ok=ok,
             switches_failed=len(p.switches) - ok,
             last_decision_unix=p.last_decision_unix,
+            leader=None if p.lease is None else p.lease.is_leader,
+            epoch=p.epoch,
         )
 
     def _transfer_address(self, node: int) -> str:
@@ -517,9 +534,11 @@ class RouterDaemon:
         `--shutdown-timeout` to finish while health checks and hints go on (an engine that
         dies meanwhile still has its requests pulled back); then the rest. `cut()` ends the
         drain early."""
-        planner = [t for t in self._tasks if t.get_name() == "planner"]
+        planner = [t for t in self._tasks if t.get_name() in ("planner", "lease")]
         for t in planner:
             t.cancel()
+        if self.lease is not None:  # another replica takes the planner over at once
+            await self.lease.release()
         gate = self.dispatcher.gate if self.dispatcher is not None else None
         if gate is not None and self.serving is not None:
             # Requests still waiting for decode room have cost no engine anything: refused
@@ -542,4 +561,6 @@ class RouterDaemon:
             if ingestor is not None:
                 ingestor.close()
         await asyncio.gather(*(e.client.close() for e in self.engines.values()))
+        if self.lease is not None:
+            await self.lease.client.aclose()
         self._stopped.set()

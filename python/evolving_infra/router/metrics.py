@@ -116,6 +116,10 @@ class PlannerView:
     switches_ok: int  # engine switches done
     switches_failed: int
     last_decision_unix: float | None  # None: no decision yet
+    # With router replicas: whether this one holds the leader lease (decides), and its epoch.
+    # None: a router without replicas, which always decides.
+    leader: bool | None = None
+    epoch: int = 0
 
 
 ENGINE_STATES = ("up", "draining", "down")
@@ -196,6 +200,17 @@ class _PlannerCollector(Collector):
         switches.add_metric(["ok"], v.switches_ok)
         switches.add_metric(["failed"], v.switches_failed)
         yield switches
+        if v.leader is not None:
+            yield GaugeMetricFamily(
+                "evolving_planner_leader",
+                "1 when this router replica holds the leader lease and runs the planner",
+                value=v.leader,
+            )
+            yield GaugeMetricFamily(
+                "evolving_planner_lease_epoch",
+                "Epoch of the leader lease this replica holds or last held (0: never)",
+                value=v.epoch,
+            )
         if v.last_decision_unix is not None:
             yield GaugeMetricFamily(
                 "evolving_planner_last_decision_timestamp_seconds",

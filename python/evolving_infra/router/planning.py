@@ -10,6 +10,13 @@ every engine of the switch has answered, so no new decision is made while one is
 
 Which nodes move: those of the shrinking phase with the least work in flight (the least to
 drain), as the simulator's `Switcher` picks them.
+
+With router replicas (`lease`, `replicas.LeaderLease`) every replica samples, so that its window
+is warm should it take over, but only the lease's holder decides. Each `SwitchPhase` carries the
+lease's epoch; a replica that gains the lease first fences every engine with a no-op switch at
+its epoch (`_fence`) and decides only once that is done, so no switch of a deposed leader can
+land after the new one has looked at the phases. An engine that refuses (`StaleLeaderError`)
+means a newer leader exists: this one decides nothing more until it holds a newer epoch.
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from evolving_infra.control import EngineClient, EngineControlError
+from evolving_infra.control import EngineClient, EngineControlError, StaleLeaderError
 from evolving_infra.planner.base import Split
 from evolving_infra.planner.evolving import EvolvingPlanner
 from evolving_infra.planner.slices import NodeSample, Slices
 from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.replicas import LeaderLease
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.types import Phase
 
@@ -62,9 +70,11 @@ class LivePlanner:
         sample_interval: float = SAMPLE_INTERVAL_S,
         enabled: bool = True,
         nodes: int | None = None,
+        lease: LeaderLease | None = None,
     ) -> None:
         """`nodes`: engines the cluster has (default: one per client), including any that
-        have not answered yet and join later (the daemon adds their clients to `clients`)."""
+        have not answered yet and join later (the daemon adds their clients to `clients`).
+        `lease`: with router replicas, decide only while holding it (module docstring)."""
         self.registry = registry
         self.clients = dict(clients)
         self.model = model
@@ -78,6 +88,9 @@ class LivePlanner:
         self.switches: list[SwitchRecord] = []
         self._switching: set[int] = set()
         self._held = False  # decisions held while not every engine is up (`tick`)
+        self.lease = lease
+        self.fenced = 0  # the lease epoch every up engine has been fenced at (`_fence`)
+        self._fencing = False
         self.decisions = 0  # evaluations made (kept or switched), for /metrics
         self.last_decision_unix: float | None = None  # wall-clock time of the latest
 
@@ -133,7 +146,7 @@ class LivePlanner:
     def tick(self, now: float) -> None:
         """Closes the slice and, when enabled and no switch is in flight, asks the planner."""
         self.slices.close(now)
-        if not self.enabled or self._switching:
+        if not self.enabled or self._switching or not self._leads():
             return
         current = self.split()
         nodes = self.nodes
@@ -179,6 +192,45 @@ class LivePlanner:
             self.registry.set_state(e.node, "draining", f"switching to {to}")
         asyncio.get_running_loop().create_task(self._switch([e.node for e in movable], to))
 
+    @property
+    def epoch(self) -> int:
+        """The epoch this planner's switches carry (0 without replicas)."""
+        return 0 if self.lease is None else self.lease.epoch
+
+    def _leads(self) -> bool:
+        """Whether this replica may decide now: always without replicas; with them, while it
+        holds the lease and once every engine is fenced at its epoch (started here)."""
+        if self.lease is None:
+            return True
+        if not self.lease.is_leader:
+            return False
+        if self.fenced == self.lease.epoch:
+            return True
+        if not self._fencing:
+            self._fencing = True
+            asyncio.get_running_loop().create_task(self._fence(self.lease.epoch))
+        return False
+
+    async def _fence(self, epoch: int) -> None:
+        """A no-op `SwitchPhase` (the engine's own phase) at `epoch` on every up engine: from
+        then on each refuses an older epoch. An engine that cannot be reached is fenced by this
+        leader's first switch to it, which carries the epoch too."""
+        up = [e for e in self.registry.engines.values() if e.state == "up"]
+        try:
+            results = await asyncio.gather(
+                *(self.clients[e.node].switch_phase(e.phase, leader_epoch=epoch, timeout=10.0)
+                  for e in up if e.node in self.clients),
+                return_exceptions=True,
+            )  # fmt: skip
+            stale = [r for r in results if isinstance(r, StaleLeaderError)]
+            if stale:
+                log.warning("planner_fence_refused", epoch=epoch, reason=str(stale[0]))
+                return
+            self.fenced = epoch
+            log.info("planner_leads", epoch=epoch, engines=len(up))
+        finally:
+            self._fencing = False
+
     async def _switch(self, nodes: list[int], to: Phase) -> None:
         try:
             await asyncio.gather(*(self._switch_one(n, to) for n in nodes))
@@ -189,7 +241,10 @@ class LivePlanner:
         d = self.registry
         try:
             r = await self.clients[node].switch_phase(
-                to, drain_timeout_s=DRAIN_TIMEOUT_S, timeout=DRAIN_TIMEOUT_S + 60.0
+                to,
+                drain_timeout_s=DRAIN_TIMEOUT_S,
+                leader_epoch=self.epoch,
+                timeout=DRAIN_TIMEOUT_S + 60.0,
             )
         except EngineControlError as e:
             # The engine keeps its old phase (a drain timeout) or is down: the health loop

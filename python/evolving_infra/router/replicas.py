@@ -1,0 +1,154 @@
+"""Router replicas coordinated through Redis (issue 29): which replica runs the planner.
+
+Several routers may serve the same engines; each follows every engine's KV-event and sample
+streams itself (ZMQ fans out), so each has the whole directory. Exactly one of them may run the
+planner and issue `SwitchPhase`: the holder of the leader lease, a Redis key written with
+`SET NX PX` (no home-made consensus: Redis decides who wrote it first, and its expiry ends a
+dead holder's lease). Each acquisition draws a new epoch from a Redis counter in the same script,
+so epochs only grow; the leader sends its epoch with every `SwitchPhase`, and an engine refuses
+an epoch below the highest it has seen (`control.StaleLeaderError`). Before it decides anything,
+a new leader fences every engine with a no-op switch at its epoch (`LivePlanner`), so a deposed
+leader's late switch cannot land after the new leader's view of the phases.
+
+The holder renews every `ttl_s / 3`. It counts itself the leader only until its last successful
+acquire or renewal plus `ttl_s` less a margin for the clocks' drift (`is_leader` reads the clock),
+so a holder whose renewals stall (Redis unreachable, a stopped event loop) steps down before
+another can take the key. A replica that stops cleanly releases the key (`release`): the next
+one takes it at its next attempt rather than after the expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_TTL_S = 5.0
+DEFAULT_PREFIX = "evolving-infra"
+# Of the lease's time, what a holder does not count on: Redis's expiry and the holder's clock
+# may disagree this much (monotonic clocks drift by far less over seconds).
+DRIFT_MARGIN = 0.1
+
+# KEYS[1] the lease, KEYS[2] the epoch counter; ARGV[1] the replica, ARGV[2] the TTL in ms.
+# The new epoch when the lease was free (and is now ours), else 0.
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local epoch = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. epoch, 'PX', ARGV[2])
+return epoch
+"""
+# KEYS[1] the lease; ARGV[1] its value as we wrote it, ARGV[2] the TTL in ms. 1 when renewed.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+# KEYS[1] the lease; ARGV[1] its value as we wrote it. 1 when it was ours and is gone.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeaderLease:
+    """One replica's side of the leader lease (see the module docstring).
+
+    `client`: a `redis.asyncio.Redis`; `replica`: this replica's name, unique among them;
+    `on_change(leader, epoch)`: called when this replica gains or loses the lease.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        replica: str,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[bool, int], None] | None = None,
+    ) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if not replica or " " in replica:
+            raise ValueError(f"a replica name is non-empty and has no spaces, got {replica!r}")
+        self.client = client
+        self.replica = replica
+        self.ttl_s = ttl_s
+        self.key = f"{prefix}:leader"
+        self.epoch_key = f"{prefix}:leader:epoch"
+        self.on_change = on_change
+        self._clock = clock
+        self.epoch = 0  # of the lease this replica holds or last held; 0: never held
+        self._until = 0.0  # is_leader holds until then (this replica's clock)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._clock() < self._until
+
+    @property
+    def _value(self) -> str:
+        return f"{self.replica} {self.epoch}"
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(int(self.ttl_s * 1000), 1)
+
+    async def attempt(self) -> bool:
+        """Renew the lease when this replica holds it, else try to take it; whether this
+        replica leads now. A Redis error counts as a failed attempt (logged)."""
+        was = self.is_leader
+        start = self._clock()
+        try:
+            if self.epoch and self._until > 0.0:
+                held = bool(await self._renew(keys=[self.key], args=[self._value, self._ttl_ms]))
+            else:
+                held = False
+            if not held:
+                epoch = int(await self._acquire(keys=[self.key, self.epoch_key],
+                                                args=[self.replica, self._ttl_ms]))  # fmt: skip
+                if epoch:
+                    self.epoch, held = epoch, True
+        except Exception as e:  # Redis unreachable or failing: not renewed
+            log.warning("leader_lease_failed", replica=self.replica, error=str(e))
+            held = False
+        # Counted from before the call: Redis's expiry started no earlier than that.
+        self._until = start + self.ttl_s * (1 - DRIFT_MARGIN) if held else 0.0
+        if held != was:
+            log.info("leader" if held else "leader_lost", replica=self.replica, epoch=self.epoch)
+            if self.on_change is not None:
+                self.on_change(held, self.epoch)
+        return held
+
+    async def run(self) -> NoReturn:
+        """Attempt every `ttl_s / 3` seconds, for ever (cancel to stop; then `release`)."""
+        while True:
+            await self.attempt()
+            await asyncio.sleep(self.ttl_s / 3)
+
+    async def release(self) -> None:
+        """Give the lease up now if this replica holds it (a clean stop)."""
+        if self._until == 0.0:
+            return
+        self._until = 0.0
+        with contextlib.suppress(Exception):  # unreachable: the expiry frees it
+            await self._release(keys=[self.key], args=[self._value])
+        log.info("leader_released", replica=self.replica, epoch=self.epoch)
+        if self.on_change is not None:
+            self.on_change(False, self.epoch)
+
+    async def holder(self) -> tuple[str, int] | None:
+        """Who holds the lease now, and at which epoch (None: nobody)."""
+        value = await self.client.get(self.key)
+        if value is None:
+            return None
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        name, _, epoch = text.rpartition(" ")
+        return name, int(epoch)

@@ -1,0 +1,202 @@
+"""Router replicas' leader lease (`router.replicas`) on a real Redis server: one leader at a time,
+epochs that only grow, a crashed leader replaced once its lease expires (and stepping down by
+its own clock before that), a clean stop handing over at once, a lost Redis deposing the leader;
+and two replicas' planners over real simulated engines: only the leader decides, a new leader
+fences the engines first, and a deposed leader's switch is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis.asyncio as aredis
+
+from evolving_infra.control import EngineClient, serve
+from evolving_infra.engines.sim import SimEngine
+from evolving_infra.planner.base import Split
+from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.planning import LivePlanner
+from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.replicas import LeaderLease
+from evolving_infra.timing.model import IterationModel
+from redis_helpers import redis_server
+from test_engine_sim_helpers import settings
+from test_router_planning import FixedTarget
+
+TTL = 0.6
+
+
+def leases(url: str, *names: str) -> list[LeaderLease]:
+    return [LeaderLease(aredis.from_url(url), n, ttl_s=TTL) for n in names]
+
+
+async def closed(*of: LeaderLease) -> None:
+    for lease in of:
+        await lease.client.aclose()
+
+
+def test_one_leader_at_a_time_with_growing_epochs() -> None:
+    async def main(url: str) -> None:
+        a, b, c = leases(url, "a", "b", "c")
+        changes: list[tuple[bool, int]] = []
+        a.on_change = lambda leader, epoch: changes.append((leader, epoch))
+        assert await a.attempt()
+        assert not await b.attempt()
+        assert not await c.attempt()
+        assert (a.is_leader, b.is_leader, c.is_leader) == (True, False, False)
+        assert a.epoch == 1
+        assert await a.attempt()  # a renewal keeps the epoch
+        assert a.epoch == 1
+        assert await b.holder() == ("a", 1)
+        await a.release()
+        assert not a.is_leader
+        assert changes == [(True, 1), (False, 1)]
+        assert await b.attempt()  # at once: no expiry to wait for
+        assert b.epoch == 2
+        assert not await a.attempt()
+        assert await c.holder() == ("b", 2)
+        await closed(a, b, c)
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))
+
+
+def test_a_crashed_leader_is_replaced_after_its_lease_and_stepped_down_before() -> None:
+    async def main(url: str) -> None:
+        a, b = leases(url, "a", "b")
+        assert await a.attempt()
+        # a crashes: no renewal, no release. b keeps trying, as its run loop does.
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not await b.attempt():
+            assert loop.time() - start < 3 * TTL, "the lease never expired"
+            await asyncio.sleep(TTL / 10)
+        waited = loop.time() - start
+        assert TTL * 0.8 < waited < TTL + 0.3
+        assert b.epoch == 2
+        assert not a.is_leader  # by its own clock, before the key could go to b
+        await closed(a, b)
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))
+
+
+def test_losing_redis_deposes_the_leader() -> None:
+    async def main(server_kill: object, url: str) -> None:
+        [a] = leases(url, "a")
+        assert await a.attempt()
+        assert callable(server_kill)
+        server_kill()
+        assert not await a.attempt()
+        assert not a.is_leader
+        await a.release()  # unreachable: nothing to do, no error
+        await closed(a)
+
+    with redis_server() as server:
+        asyncio.run(main(server.kill, server.url))
+
+
+def test_the_run_loop_keeps_the_lease_and_hands_it_over_when_cancelled() -> None:
+    async def main(url: str) -> None:
+        a, b = leases(url, "a", "b")
+        task = asyncio.create_task(a.run())
+        await asyncio.sleep(3 * TTL)  # several renewals
+        assert a.is_leader
+        assert not await b.attempt()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await a.release()
+        assert await b.attempt()
+        await closed(a, b)
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))
+
+
+def test_bad_arguments_are_refused() -> None:
+    client = aredis.Redis()
+    with pytest.raises(ValueError, match="ttl_s"):
+        LeaderLease(client, "a", ttl_s=0)
+    with pytest.raises(ValueError, match="replica name"):
+        LeaderLease(client, "a b")
+
+
+def test_only_the_leader_plans_and_a_deposed_leader_cannot_switch() -> None:
+    """Two replicas' planners over the same two real simulated engines (gRPC), one lease."""
+
+    async def scenario(url: str) -> None:
+        engines = [SimEngine(settings(node_id=n, phase="prefill")) for n in (0, 1)]
+        servers = []
+        for e in engines:
+            await e.start()
+            servers.append(await serve(e, "127.0.0.1", 0))
+        addresses = [f"127.0.0.1:{port}" for _, port in servers]
+        lease_a, lease_b = leases(url, "a", "b")
+        a = replica(addresses, lease_a, Split(1, 1))
+        b = replica(addresses, lease_b, Split(2, 0))
+        assert await lease_a.attempt()
+        assert not await lease_b.attempt()
+        for p in (a, b):
+            p.tick(time.monotonic())  # a starts fencing; b does nothing
+        await until(lambda: a.fenced == lease_a.epoch == 1)
+        assert b.fenced == 0
+        a.tick(time.monotonic())
+        assert a.planner.asked == 1  # type: ignore[attr-defined]
+        b.tick(time.monotonic())
+        assert b.planner.asked == 0  # type: ignore[attr-defined]
+        await until(lambda: len(a.switches) == 1)
+        assert a.switches[0].ok
+        assert engines[0].phase == "decode"
+        # a dies (no renewal). b takes the lease once it expires, fences, then plans.
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not await lease_b.attempt():
+            await asyncio.sleep(TTL / 10)
+        assert loop.time() - start < TTL + 0.3
+        assert lease_b.epoch == 2
+        b.registry.set_phase(0, "decode")  # what its health loop learns
+        b.tick(time.monotonic())
+        await until(lambda: b.fenced == 2)
+        # The deposed leader's late switch (its epoch, 1) is refused by the engine.
+        await a._switch_one(1, "decode")
+        assert not a.switches[-1].ok
+        assert "stale" in a.switches[-1].reason
+        assert engines[1].phase == "prefill"
+        assert not lease_a.is_leader
+        a.tick(time.monotonic())  # and, by its own clock, it no longer decides
+        assert a.planner.asked == 1  # type: ignore[attr-defined]
+        b.tick(time.monotonic())
+        await until(lambda: len(b.switches) == 1)
+        assert b.switches[0].ok
+        assert [e.phase for e in engines] == ["prefill", "prefill"]
+        for p in (a, b):
+            for c in p.clients.values():
+                await c.close()
+        await closed(lease_a, lease_b)
+        for (server, _), e in zip(servers, engines, strict=True):
+            await server.stop(0)
+            await e.close()
+
+    with redis_server() as server:
+        asyncio.run(scenario(server.url))
+
+
+def replica(addresses: list[str], lease: LeaderLease, target: Split) -> LivePlanner:
+    registry = EngineRegistry(
+        [EngineHandle(n, "http://127.0.0.1:1", "prefill", "127.0.0.1", 1, 1000) for n in (0, 1)]
+    )
+    clients = {n: EngineClient(a) for n, a in enumerate(addresses)}
+    planner = LivePlanner(registry, clients, IterationModel(), page_size=4, lease=lease)
+    planner.planner = FixedTarget(target)  # type: ignore[assignment]
+    return planner
+
+
+async def until(done: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
