@@ -25,6 +25,7 @@ from evolving_infra.engines.sim import command as engine_command
 from evolving_infra.parity import command as parity_command
 from evolving_infra.replay import command as replay_command
 from evolving_infra.router import command as router_command
+from evolving_infra.router import front_command
 from evolving_infra.router.config import RouterConfigError
 from evolving_infra.router.tokenize import TokenizerLoadError
 from evolving_infra.sim import command as sim_command
@@ -54,6 +55,7 @@ COMMANDS: tuple[Command, ...] = (
     scenario_command,
     engine_command,
     router_command,
+    front_command,
     cluster_command,
     replay_command,
     soak_command,

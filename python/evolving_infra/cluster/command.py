@@ -4,7 +4,11 @@ Starts, in order, the Mooncake master of the shared L2 pool (unless `--no-pool`)
 simulated engines (the first `--prefill` of them in the prefill phase, the rest decode; each an
 `evolving-infra engine` process with its HTTP data API, its EngineControl gRPC service and its
 ZMQ event and sample streams) and the router daemon in front of them; waits until the router's
-`/health` says every engine is up; then waits. Ctrl-C (or SIGTERM) stops the router first, then
+`/health` says every engine is up; then waits. With `--routers N` (N > 1), N router replicas
+share a Redis server (Debian's `redis-server`, started here: the leader lease that decides which
+replica runs the planner) and a front (`evolving-infra front`) takes the clients at
+`--router-port`, each agent tree on one replica; each replica's own API and `/metrics` are at its
+own port (the table lists them). Ctrl-C (or SIGTERM) stops the router first, then
 the engines, then the master. A process that fails to start stops everything, and the command
 fails (status 1), naming it and its log, with the child's own error line when it printed one,
 else the end of its log. Once up, a process that exits on its own is restarted on the same ports,
@@ -18,8 +22,11 @@ Each process logs to `--log-dir` (JSON lines; the master's own log too).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -45,6 +52,7 @@ from evolving_infra.cluster.supervise import Supervisor
 from evolving_infra.engines.pool.errors import MooncakeMissingError
 from evolving_infra.engines.sim.command import check_deployment
 from evolving_infra.engines.sim.core import EngineSettings
+from evolving_infra.errors import CommandError
 from evolving_infra.ports import LOOPBACK, PortInUseError, check_listen, free_ports, port_taken
 from evolving_infra.router.config import DEFAULT_SHUTDOWN_TIMEOUT
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
@@ -76,7 +84,8 @@ class Cluster:
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
     master: object | None = None  # a PoolMaster, when the pool runs
-    router_url: str = ""
+    router_url: str = ""  # the router's, or with replicas the front's
+    replica_urls: list[str] = field(default_factory=list)  # each router replica's own
     engine_urls: list[str] = field(default_factory=list)  # HTTP data API, by node id
     control: list[str] = field(default_factory=list)  # EngineControl HOST:PORT, by node id
 
@@ -93,11 +102,13 @@ class Cluster:
                 raise p.failure(code)
 
     def stop(self) -> None:
-        """The router first (no new requests reach the engines), then every engine at once
-        (each closes its pool client, ~2 s), then the master."""
-        routers = [p for p in self.procs if p.name == "router"]
-        engines = [p for p in self.procs if p.name != "router"]
-        for group in (routers, engines):
+        """The front and the routers first (no new requests reach the engines), then every
+        engine at once (each closes its pool client, ~2 s), then Redis and the master."""
+        front = [p for p in self.procs if p.name == "front"]
+        routers = [p for p in self.procs if p.name.startswith("router")]
+        last = [p for p in self.procs if p.name == "redis"]
+        engines = [p for p in self.procs if p not in (*front, *routers, *last)]
+        for group in (front, routers, engines, last):
             for p in group:
                 p.interrupt()
             for p in group:
@@ -115,7 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill", type=natural_int, default=None,
       help="engines starting in the prefill phase (default: half, rounded up)")  # fmt: skip
     a("--router-port", type=port, default=8000,
-      help="router port (0: any free port; default: 8000)")  # fmt: skip
+      help="the router's port, or the front's with --routers N > 1 (0: any free port;"
+      " default: 8000)")  # fmt: skip
+    a("--routers", type=positive_int, default=1,
+      help="router replicas (default: 1). More than one: a Redis server for their leader"
+      " lease and a front at --router-port that keeps each agent tree on one replica")  # fmt: skip
     a("--model", choices=sorted(MODELS), default="llama-3-8b", help="model (default: %(default)s)")
     a("--gpu", choices=sorted(GPUS), default="h100-sxm", help="GPU kind (default: %(default)s)")
     a("--tp", type=positive_int, default=1, help="GPUs per engine (default: 1)")
@@ -169,6 +184,52 @@ def wait_healthy(
     )
 
 
+def _start_listening(
+    cluster: Cluster, name: str, command: list[str], fixed_port: int, what: str
+) -> tuple[Proc, str]:
+    """A process that serves HTTP with `/health` on `--port` (a router, the front), started and
+    healthy: (it, its URL). Port 0 is picked now, after the engines bound theirs, so that none of
+    their ZMQ streams can take it in between; one taken before the process bound it anyway is
+    picked again, a `fixed_port` taken meanwhile is the user's error (`--router-port`)."""
+    for attempt in range(1, ENGINE_START_ATTEMPTS + 1):
+        chosen = fixed_port or free_ports(1)[0]
+        proc = cluster.spawn(name, [*command, "--port", str(chosen)])
+        proc.stop_timeout_s = DEFAULT_SHUTDOWN_TIMEOUT + 15.0  # its drain, then exit
+        url = f"http://127.0.0.1:{chosen}"
+        try:
+            wait_healthy(cluster, f"{url}/health", what, proc.log)
+            return proc, url
+        except ClusterError:
+            if proc.exited() is None or not port_taken(LOOPBACK, chosen):
+                raise
+            if fixed_port:
+                raise PortInUseError(LOOPBACK, chosen, "--router-port") from None
+            if attempt == ENGINE_START_ATTEMPTS:
+                raise
+            cluster.procs.remove(proc)
+    raise AssertionError("unreachable: the last attempt raises")
+
+
+def _start_redis(cluster: Cluster) -> tuple[Proc, str]:
+    """Debian's redis-server on a free loopback port, no persistence: the router replicas'
+    coordination service. (It, its URL) once it answers PING."""
+    binary = shutil.which("redis-server")
+    if binary is None:  # checked before anything started (`up`); gone since: say so
+        raise ClusterError("redis-server not found", "apt-get install redis-server")
+    [chosen] = free_ports(1)
+    proc = cluster.spawn("redis", [binary, "--port", str(chosen), "--bind", LOOPBACK,
+                                   "--save", "", "--appendonly", "no"])  # fmt: skip
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        cluster.check()
+        with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, chosen), 1.0) as c:
+            c.sendall(b"PING\r\n")
+            if c.recv(16).startswith(b"+PONG"):
+                return proc, f"redis://{LOOPBACK}:{chosen}/0"
+        time.sleep(0.1)
+    raise ClusterError(f"redis-server not answering after {START_TIMEOUT_S:.0f} s; see {proc.log}")
+
+
 def up(args: argparse.Namespace, console: Console) -> Cluster:
     """Starts everything (see the module docstring); the caller stops it."""
     n = args.engines
@@ -178,6 +239,11 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
     check_deployment(EngineSettings(deployment=deployment, page_size=args.page_size))
     if args.router_port:
         check_listen(LOOPBACK, args.router_port, "--router-port")
+    if args.routers > 1 and shutil.which("redis-server") is None:
+        raise CommandError(
+            "--routers: router replicas share a Redis server, and redis-server is not installed",
+            "apt-get install redis-server (Debian), or run one router",
+        )
     check_output_folder(args.log_dir, "--log-dir")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(args.log_dir)
@@ -241,33 +307,41 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
             router_args.append("--no-planner")
         if args.no_admission:
             router_args.append("--no-admission")
-        for attempt in range(1, ENGINE_START_ATTEMPTS + 1):
-            # Port 0: picked now, after the engines bound theirs, so that none of their ZMQ
-            # streams can take it in between.
-            router_port = args.router_port or free_ports(1)[0]
-            router_proc = cluster.spawn("router", [*router_args, "--port", str(router_port)])
-            router_proc.stop_timeout_s = DEFAULT_SHUTDOWN_TIMEOUT + 15.0  # its drain, then exit
-            cluster.router_url = f"http://127.0.0.1:{router_port}"
-            try:
-                wait_healthy(cluster, f"{cluster.router_url}/health", "the router", router_proc.log)
-                break
-            except ClusterError:
-                if router_proc.exited() is None or not port_taken(LOOPBACK, router_port):
-                    raise
-                if args.router_port:
-                    # Taken by another process since the check above: the user's choice.
-                    raise PortInUseError(LOOPBACK, router_port, "--router-port") from None
-                if attempt == ENGINE_START_ATTEMPTS:
-                    raise
-                # A port the kernel picked, taken before the router bound it: pick another.
-                cluster.procs.remove(router_proc)
+        if args.routers == 1:
+            router_proc, cluster.router_url = _start_listening(
+                cluster, "router", router_args, args.router_port, "the router"
+            )
+            routers = [(router_proc, cluster.router_url)]
+        else:
+            redis, coordination = _start_redis(cluster)
+            routers = [
+                _start_listening(
+                    cluster,
+                    f"router-{i}",
+                    [*router_args, "--coordination", coordination, "--replica", f"router-{i}"],
+                    0,
+                    f"router replica {i}",
+                )
+                for i in range(args.routers)
+            ]
+            cluster.replica_urls = [url for _, url in routers]
+            front_args = [*me, "front", "--routers", *cluster.replica_urls]
+            front, cluster.router_url = _start_listening(
+                cluster, "front", front_args, args.router_port, "the front"
+            )
     except BaseException:
         cluster.stop()
         raise
     table = Table(title="evolving-infra cluster on 127.0.0.1")
     for col in ("process", "pid", "phase", "address", "log"):
         table.add_column(col)
-    table.add_row("router", str(router_proc.pid), "", cluster.router_url, "router.log")
+    if args.routers == 1:
+        table.add_row("router", str(routers[0][0].pid), "", cluster.router_url, "router.log")
+    else:
+        table.add_row("front", str(front.pid), "", cluster.router_url, "front.log")
+        for i, (proc, url) in enumerate(routers):
+            table.add_row(f"router replica {i}", str(proc.pid), "", url, f"router-{i}.log")
+        table.add_row("redis", str(redis.pid), "", coordination, "redis.log")
     for i in range(n):
         phase = "prefill" if i < prefill else "decode"
         table.add_row(

@@ -138,6 +138,8 @@ class LivePlanner:
         while True:
             await asyncio.sleep(self.sample_interval)
             self.slices.sample(self.node_samples())
+            if self.enabled and self.lease is not None:
+                self._leads()  # a lease just gained is fenced now, not at the next decision
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + self.interval

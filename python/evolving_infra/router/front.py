@@ -1,0 +1,231 @@
+"""The front of router replicas (issue 29): one address for clients, each agent tree on one replica.
+
+Clients talk to the front as to a router; it passes each request on, body and streamed answer
+untouched, to one of the router replicas (`--routers`). Which one: the replica that rendezvous
+hashing (highest random weight) ranks first for the request's *root branch*, among those whose
+`/health` answers. The branch is read from the headers the router itself reads (`X-Agent-Branch`,
+or the session headers harnesses send, `sessions.py`); a fork's child (`X-Agent-Event: fork` with
+its parent) is mapped to its parent's root, so that a whole agent tree, parent and sub-agents,
+lives on the replica that knows its branches (a router answers a fork of a parent it does not
+know with 404). The map is in memory, bounded (`MAX_ROOTS`, oldest out): a front restarted, or
+a tree older than that, hashes a child on its own id. Requests without a branch go to the
+replica with the fewest requests in flight through this front. A branch given only in the
+body's `agent` field is not read (the front does not parse bodies): such requests count as
+anonymous here, and work, without the tree's affinity.
+
+Rendezvous hashing moves only the trees of a replica that goes down (each to the replica that
+ranks next for it) and moves them back when it returns. A replica that cannot be reached is
+skipped for the next in rank while nothing has been sent to the client; the health poll
+(`HEALTH_INTERVAL_S`) takes it out for everyone. With no replica left: `503 no_router` with
+`Retry-After`. A request whose replica dies mid-stream ends there, as it would without a front.
+
+The front's own `/health` (its view of the replicas) and `/metrics` (`evolving_front_*`); each
+replica keeps its own `/metrics` at its own address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from evolving_infra.router.api import ApiError
+from evolving_infra.router.branches import BranchEvent, BranchInfo, parse_branch_info
+from evolving_infra.router.metrics import CONTENT_TYPE
+from evolving_infra.router.sessions import session_branch
+
+log = structlog.get_logger(__name__)
+
+HEALTH_INTERVAL_S = 1.0
+MAX_ROOTS = 1_000_000  # child -> root entries kept (~200 bytes each)
+RETRY_AFTER_S = 2
+# Not passed on: hop-by-hop headers (RFC 9110 §7.6.1), and what aiohttp sets itself.
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+    )
+)  # fmt: skip
+
+
+@dataclass
+class Replica:
+    url: str  # http://host:port, no trailing slash
+    up: bool = True  # as the last health poll found it (optimistic until the first)
+    in_flight: int = 0
+
+
+def weight(replica: str, key: str) -> int:
+    """Rendezvous hashing's weight of `replica` for `key`."""
+    digest = hashlib.blake2b(f"{replica}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class Front:
+    """The replicas, their health, the roots of forked branches, and the proxy handler."""
+
+    def __init__(self, routers: Sequence[str], *, max_roots: int = MAX_ROOTS) -> None:
+        if not routers:
+            raise ValueError("the front needs at least one router replica")
+        self.replicas = [Replica(u.rstrip("/")) for u in routers]
+        self.max_roots = max_roots
+        self._roots: OrderedDict[str, str] = OrderedDict()
+        self.session: aiohttp.ClientSession | None = None
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "evolving_front_requests",
+            "Requests passed on, by replica and outcome (answered: the replica answered, with"
+            " any status; unreachable: it could not be reached and the next was tried)",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.no_router = Counter(
+            "evolving_front_no_router",
+            "Requests answered 503 because no replica could be reached",
+            registry=r,
+        )
+        up = Gauge("evolving_front_replicas_up", "Replicas whose /health answers", registry=r)
+        up.set_function(lambda: sum(x.up for x in self.replicas))
+
+    # -- choosing a replica -----------------------------------------------------------------
+
+    def root(self, info: BranchInfo | None) -> str | None:
+        """The root branch of `info`'s tree, learning it from a fork (None: anonymous)."""
+        if info is None:
+            return None
+        if info.event is BranchEvent.FORK and info.parent is not None:
+            root = self._roots.get(info.parent, info.parent)
+            self._roots[info.branch] = root
+            self._roots.move_to_end(info.branch)
+            while len(self._roots) > self.max_roots:
+                self._roots.popitem(last=False)
+            return root
+        return self._roots.get(info.branch, info.branch)
+
+    def ranked(self, key: str | None) -> list[Replica]:
+        """The replicas to try, in order: up ones first (by weight for `key`, or fewest in
+        flight without one), then those the health poll found down (it may be stale)."""
+
+        def rank(r: Replica) -> tuple[bool, int]:
+            return (not r.up, -weight(r.url, key) if key is not None else r.in_flight)
+
+        return sorted(self.replicas, key=rank)
+
+    # -- the proxy ---------------------------------------------------------------------------
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        try:
+            info = parse_branch_info(request.headers, None) or session_branch(request.headers)
+        except ApiError as e:  # the router would refuse it the same way
+            return web.json_response(e.body(), status=e.status)
+        key = self.root(info)
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        assert self.session is not None, "the front's session starts with the app"
+        for replica in self.ranked(key):
+            url = f"{replica.url}{request.rel_url}"
+            replica.in_flight += 1
+            try:
+                try:
+                    upstream = await self.session.request(
+                        request.method, url, data=body, headers=headers, allow_redirects=False
+                    )
+                except aiohttp.ClientConnectionError as e:  # nothing sent yet: the next one
+                    replica.up = False
+                    self.requests.labels(replica.url, "unreachable").inc()
+                    log.warning("front_replica_unreachable", replica=replica.url, error=str(e))
+                    continue
+                self.requests.labels(replica.url, "answered").inc()
+                # From here a failure ends the answer, as it would without a front.
+                async with upstream:
+                    return await self._relay(request, upstream)
+            finally:
+                replica.in_flight -= 1
+        self.no_router.inc()
+        error = ApiError(503, "no router replica can be reached", code="no_router")
+        return web.json_response(
+            error.body(), status=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(
+            status=upstream.status,
+            reason=upstream.reason,
+            headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
+        )
+        if upstream.content_length is not None:
+            out.content_length = upstream.content_length
+        await out.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+        return out
+
+    # -- the front's own routes ----------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = sum(r.up for r in self.replicas)
+        return web.json_response(
+            {
+                "status": "ok" if up == len(self.replicas) else "degraded" if up else "down",
+                "replicas": {r.url: "up" if r.up else "down" for r in self.replicas},
+            },
+            status=200 if up else 503,
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE}
+        )
+
+    async def poll_health(self, interval: float = HEALTH_INTERVAL_S) -> None:
+        """Every `interval`: each replica is up when its `/health` answers 200."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=max(interval, 0.5))
+        while True:
+            await asyncio.gather(*(self._check(r, timeout) for r in self.replicas))
+            await asyncio.sleep(interval)
+
+    async def _check(self, r: Replica, timeout: aiohttp.ClientTimeout) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{r.url}/health", timeout=timeout) as resp:
+                up = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            up = False
+        if up != r.up:
+            log.info("front_replica_up" if up else "front_replica_down", replica=r.url)
+        r.up = up
+
+
+def build_front(front: Front, *, max_body_bytes: int = 32 * 2**20) -> web.Application:
+    """The front's aiohttp app: `/health`, `/metrics`, everything else passed on."""
+    app = web.Application(client_max_size=max_body_bytes)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/metrics", front.metrics)
+    app.router.add_route("*", "/{tail:.*}", front.proxy)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        # No total timeout: an answer streams for as long as its generation runs.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
+        front.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        poll = asyncio.create_task(front.poll_health())
+        yield
+        poll.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poll
+        await front.session.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

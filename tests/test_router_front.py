@@ -1,0 +1,157 @@
+"""The front of router replicas (`router.front`): real router front ends (aiohttp on loopback, with
+the echo dispatcher of `router_helpers`) behind a real front. Each agent tree stays on one
+replica, forks follow their parent, streams pass through untouched, a replica that goes away
+hands its trees to the others, and with none left the client gets 503 with Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from evolving_infra import KvDirectory
+from evolving_infra.router.app import build_app
+from evolving_infra.router.branches import BranchTracker
+from evolving_infra.router.front import Front, build_front, weight
+from evolving_infra.router.metrics import RouterMetrics
+from evolving_infra.router.tokenize import ByteTokenizer
+from router_helpers import PAGE, EchoDispatcher, parse_sse
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 2}
+
+
+@dataclass
+class Setup:
+    client: TestClient[Any, Any]  # to the front
+    front: Front
+    replicas: list[TestServer]
+    dispatchers: list[EchoDispatcher]
+
+    def served_by(self, branch: str) -> list[int]:
+        """Which replicas saw requests of `branch`."""
+        return [
+            i
+            for i, d in enumerate(self.dispatchers)
+            if any(r.branch_info and r.branch_info.branch == branch for r in d.seen)
+        ]
+
+
+def run_front(test: Callable[[Setup], Awaitable[None]], replicas: int = 2) -> None:
+    async def main() -> None:
+        servers, dispatchers = [], []
+        for _ in range(replicas):
+            d = EchoDispatcher()
+            app = build_app(
+                d, BranchTracker(KvDirectory()), ByteTokenizer(), RouterMetrics(), page_size=PAGE
+            )
+            server = TestServer(app, host="127.0.0.1")
+            await server.start_server()
+            servers.append(server)
+            dispatchers.append(d)
+        front = Front([str(s.make_url("")) for s in servers])
+        async with TestClient(TestServer(build_front(front), host="127.0.0.1")) as client:
+            await test(Setup(client, front, servers, dispatchers))
+        for s in servers:
+            await s.close()
+
+    asyncio.run(main())
+
+
+async def chat(s: Setup, headers: dict[str, str], stream: bool = False) -> Any:
+    resp = await s.client.post(
+        "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=headers
+    )
+    assert resp.status == 200, await resp.text()
+    return await (resp.text() if stream else resp.json())
+
+
+def test_each_agent_tree_stays_on_one_replica_and_trees_spread() -> None:
+    async def test(s: Setup) -> None:
+        roots = [f"agent-{i}" for i in range(24)]
+        for root in roots:
+            await chat(s, {"X-Agent-Branch": root})
+            fork = {"X-Agent-Branch": f"{root}/sub", "X-Agent-Parent-Branch": root,
+                    "X-Agent-Event": "fork"}  # fmt: skip
+            await chat(s, fork)
+            await chat(s, {"X-Agent-Branch": f"{root}/sub"})  # the child again, no parent
+            await chat(s, {"X-Agent-Branch": root})
+        homes = []
+        for root in roots:
+            [home] = s.served_by(root)
+            assert s.served_by(f"{root}/sub") == [home]
+            homes.append(home)
+        assert set(homes) == {0, 1}  # the trees spread over both
+        # The home is rendezvous hashing's pick.
+        urls = [r.url for r in s.front.replicas]
+        for root, home in zip(roots, homes, strict=True):
+            assert max(range(2), key=lambda i: weight(urls[i], root)) == home
+        # Session headers of an unmodified harness name the branch too.
+        await chat(s, {"X-Claude-Code-Session-Id": "s1"})
+        assert len(s.served_by("claude-code:s1")) == 1
+
+    run_front(test)
+
+
+def test_streams_and_errors_pass_through_untouched() -> None:
+    async def test(s: Setup) -> None:
+        text = await chat(s, {"X-Agent-Branch": "b"}, stream=True)
+        events = parse_sse(text)
+        assert events[-1] == "[DONE]"
+        bad = await s.client.post("/v1/chat/completions", data=b"{", headers={
+            "Content-Type": "application/json"})  # fmt: skip
+        assert bad.status == 400
+        assert (await bad.json())["error"]["code"] == "invalid_json"
+        # A bad branch header is refused at the front as the router refuses it.
+        conflict = await s.client.post(
+            "/v1/chat/completions", json=CHAT,
+            headers={"X-Agent-Branch": "b", "X-Agent-Parent-Branch": "b"},
+        )  # fmt: skip
+        assert conflict.status == 400
+        models = await s.client.get("/v1/models")
+        assert models.status == 200
+        health = await (await s.client.get("/health")).json()
+        assert health["status"] == "ok"
+        assert len(health["replicas"]) == 2
+
+    run_front(test)
+
+
+def test_a_replica_that_goes_away_hands_its_trees_over_then_503() -> None:
+    async def test(s: Setup) -> None:
+        roots = [f"agent-{i}" for i in range(12)]
+        for root in roots:
+            await chat(s, {"X-Agent-Branch": root})
+        gone = s.served_by(roots[0])[0]
+        moved = [r for r in roots if s.served_by(r) == [gone]]
+        await s.replicas[gone].close()
+        for d in s.dispatchers:
+            d.seen.clear()
+        for root in roots:  # every request still answered: unreachable -> the next in rank
+            await chat(s, {"X-Agent-Branch": root})
+        assert all(s.served_by(r) == [1 - gone] for r in roots)
+        metrics = (await (await s.client.get("/metrics")).read()).decode()
+        assert "evolving_front_requests_total" in metrics
+        assert 'outcome="unreachable"' in metrics
+        assert moved  # some trees did live there
+        await s.replicas[1 - gone].close()
+        resp = await s.client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "2"
+        assert (await resp.json())["error"]["code"] == "no_router"
+        health = await s.client.get("/health")
+        assert health.status == 503
+
+    run_front(test)
+
+
+def test_anonymous_requests_go_to_the_least_busy_replica() -> None:
+    async def test(s: Setup) -> None:
+        for d in s.dispatchers:
+            d.delay = 0.05
+        await asyncio.gather(*(chat(s, {}) for _ in range(6)))
+        assert all(len(d.seen) >= 2 for d in s.dispatchers), [len(d.seen) for d in s.dispatchers]
+
+    run_front(test)
