@@ -17,10 +17,10 @@ import redis.asyncio as aredis
 from evolving_infra.control import EngineClient, serve
 from evolving_infra.engines.sim import SimEngine
 from evolving_infra.planner.base import Split
-from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.loads import EngineHandle, LoadTracker
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.replicas import LeaderLease
+from evolving_infra.router.replicas import EXPIRE_INTERVALS, LeaderLease, LoadExchange
 from evolving_infra.timing.model import IterationModel
 from redis_helpers import redis_server
 from test_engine_sim_helpers import settings
@@ -200,3 +200,65 @@ async def until(done: Callable[[], bool], timeout: float = 20.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.02)
+
+
+def test_replicas_count_each_others_work_until_it_expires() -> None:
+    async def main(url: str) -> None:
+        ta, tb = LoadTracker(), LoadTracker()
+        a = LoadExchange(aredis.from_url(url), "a", ta, extra=lambda: {2: 50}, interval=0.05)
+        b = LoadExchange(aredis.from_url(url), "b", tb, interval=0.05)
+        ta.add_decode(1, blocks=100, context=4000, prompt_blocks=60)
+        ta.add_prefill(0, seconds=1.5, tokens=3000, prompt_blocks=20)
+        tb.add_decode(1, blocks=10, context=400, prompt_blocks=6)
+        assert await a.exchange()
+        assert await b.exchange()
+        assert await a.exchange()
+        assert (a.peers_seen, b.peers_seen) == (1, 1)
+        # b counts a's work (and a's gate's commitments) with its own; a counts b's.
+        assert tb.used_blocks(1) == 110
+        assert tb.used_blocks(2) == 50
+        assert tb.total(0).queued_prefill_s == 1.5
+        assert tb.total(1).decode_requests == 2
+        assert ta.used_blocks(1) == 110
+        assert ta.used_blocks(2) == 0  # its own commitments are the gate's to count, not peers'
+        engines = [EngineHandle(n, "", "decode", "", 0, 1000) for n in (1, 2)]
+        assert [v.kv_used_blocks for v in tb.view(engines)] == [110, 50]
+        # a dies: b stops counting its work once a's figures expire.
+        await asyncio.sleep(0.05 * EXPIRE_INTERVALS + 0.1)
+        assert await b.exchange()
+        assert b.peers_seen == 0
+        assert tb.used_blocks(1) == 10
+        # A clean stop takes the figures out at once.
+        assert await a.exchange()
+        assert await b.exchange()
+        assert tb.used_blocks(1) == 110
+        await a.leave()
+        assert await b.exchange()
+        assert tb.used_blocks(1) == 10
+        await a.client.aclose()
+        await b.client.aclose()
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))
+
+
+def test_a_lost_redis_drops_the_peers_work_after_a_while() -> None:
+    async def main(server_kill: Callable[[], None], url: str) -> None:
+        ta, tb = LoadTracker(), LoadTracker()
+        a = LoadExchange(aredis.from_url(url), "a", ta, interval=0.05)
+        b = LoadExchange(aredis.from_url(url), "b", tb, interval=0.05)
+        ta.add_decode(1, blocks=100, context=4000, prompt_blocks=60)
+        assert await a.exchange()
+        assert await b.exchange()
+        assert tb.used_blocks(1) == 100
+        server_kill()
+        assert not await b.exchange()
+        assert tb.used_blocks(1) == 100  # kept for a few intervals
+        await asyncio.sleep(0.05 * EXPIRE_INTERVALS + 0.05)
+        assert not await b.exchange()
+        assert tb.used_blocks(1) == 0
+        await a.client.aclose()
+        await b.client.aclose()
+
+    with redis_server() as server:
+        asyncio.run(main(server.kill, server.url))

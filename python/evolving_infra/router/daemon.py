@@ -47,7 +47,7 @@ from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.replicas import LeaderLease
+from evolving_infra.router.replicas import LeaderLease, LoadExchange
 from evolving_infra.router.server import Serving, serve
 from evolving_infra.router.tokenize import load_tokenizer
 from evolving_infra.router.transport import HttpTransport
@@ -199,6 +199,7 @@ class RouterDaemon:
         self.dispatcher: PdDispatcher | None = None
         self.planner: LivePlanner | None = None
         self.lease: LeaderLease | None = None  # with router replicas (`--coordination`)
+        self.exchange: LoadExchange | None = None  # their work per engine, shared
         self.tracker = BranchTracker(self.directory, config.branch_ttl)
         self.serving: Serving | None = None
         self.port = 0
@@ -309,7 +310,14 @@ class RouterDaemon:
             asyncio.create_task(self._hints_loop(), name="hints"),
         ]
         if self.lease is not None:
+            self.exchange = LoadExchange(
+                self.lease.client,
+                self.lease.replica,
+                self.registry.loads,
+                extra=self.dispatcher.gate.extra if self.dispatcher.gate is not None else None,
+            )
             self._tasks.append(asyncio.create_task(self.lease.run(), name="lease"))
+            self._tasks.append(asyncio.create_task(self.exchange.run(), name="loads"))
         for t in self._tasks:
             t.add_done_callback(_said_if_failed)
         log.info(
@@ -561,6 +569,8 @@ class RouterDaemon:
             if ingestor is not None:
                 ingestor.close()
         await asyncio.gather(*(e.client.close() for e in self.engines.values()))
+        if self.exchange is not None:
+            await self.exchange.leave()
         if self.lease is not None:
             await self.lease.client.aclose()
         self._stopped.set()

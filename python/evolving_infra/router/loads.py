@@ -1,7 +1,9 @@
 """The router's view of its engines: what each one is (`EngineHandle`, kept current by the daemon)
 and the work it sent there and has not seen finish (`LoadTracker`), from which the routing
 policies' `NodeLoad`s are built. Counted on the router side, from what it dispatched (as Dynamo's
-and SGLang's routers do), so choosing a node needs no round trip.
+and SGLang's routers do), so choosing a node needs no round trip. With router replicas, the other
+replicas' work (`LoadTracker.peers`, kept current by `replicas.LoadExchange`) counts too, so that
+replicas do not all pick the engine that looks emptiest to each of them alone.
 """
 
 from __future__ import annotations
@@ -46,15 +48,36 @@ class NodeWork:
         """A rough single figure of the work in flight: what a switch would have to drain."""
         return self.queued_prefill_s + self.decode_requests
 
+    def figures(self) -> list[float]:
+        """The fields in order, for `replicas.LoadExchange` (`of` reads them back)."""
+        return [self.queued_prefill_s, self.queued_prefill_tokens, self.decode_requests,
+                self.decode_context, self.kv_used_blocks, self.active_blocks]  # fmt: skip
+
+    @classmethod
+    def of(cls, figures: Sequence[float]) -> NodeWork:
+        s, tokens, requests, context, kv, active = figures
+        return cls(s, int(tokens), int(requests), int(context), int(kv), int(active))
+
+    def plus(self, other: NodeWork) -> NodeWork:
+        return NodeWork.of([a + b for a, b in zip(self.figures(), other.figures(), strict=True)])
+
 
 @dataclass(slots=True)
 class LoadTracker:
     """Per-node work the router has sent and not yet seen finish."""
 
     loads: dict[int, NodeWork] = field(default_factory=dict)
+    # The other router replicas' work per node, summed (empty without replicas).
+    peers: dict[int, NodeWork] = field(default_factory=dict)
 
     def _get(self, node: int) -> NodeWork:
         return self.loads.setdefault(node, NodeWork())
+
+    def total(self, node: int) -> NodeWork:
+        """This router's work on `node` and the other replicas'."""
+        own = self.loads.get(node) or NodeWork()
+        peer = self.peers.get(node)
+        return own if peer is None else own.plus(peer)
 
     def add_prefill(self, node: int, seconds: float, tokens: int, prompt_blocks: int) -> None:
         load = self._get(node)
@@ -83,8 +106,10 @@ class LoadTracker:
         load.active_blocks = max(load.active_blocks - prompt_blocks, 0)
 
     def used_blocks(self, node: int) -> int:
-        load = self.loads.get(node)
-        return load.kv_used_blocks if load is not None else 0
+        """KV blocks used on `node` by requests this replica and the others sent."""
+        own = self.loads.get(node)
+        peer = self.peers.get(node)
+        return (own.kv_used_blocks if own else 0) + (peer.kv_used_blocks if peer else 0)
 
     def view(
         self, engines: Sequence[EngineHandle], extra: Mapping[int, int] | None = None
@@ -93,7 +118,7 @@ class LoadTracker:
         decode-KV gate's commitments, `DecodeGate.extra`)."""
         out = []
         for e in engines:
-            load = self._get(e.node)
+            load = self.total(e.node)
             used = load.kv_used_blocks + (extra.get(e.node, 0) if extra else 0)
             out.append(
                 NodeLoad(

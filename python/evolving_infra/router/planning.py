@@ -107,20 +107,20 @@ class LivePlanner:
         for e in d.engines.values():
             if e.state == "down":
                 continue
-            load = d.loads.loads.get(e.node)
+            load = d.loads.total(e.node)  # every replica's work, with replicas
             out.append(
                 NodeSample(
                     phase=e.phase,
-                    queued_prefill_s=load.queued_prefill_s if load else 0.0,
-                    decoding=load.decode_requests if load else 0,
-                    context_tokens=load.decode_context if load else 0,
+                    queued_prefill_s=load.queued_prefill_s,
+                    decoding=load.decode_requests,
+                    context_tokens=load.decode_context,
                     kv_used=min(load.kv_used_blocks / e.kv_capacity_blocks, 1.0)
-                    if load and e.kv_capacity_blocks
+                    if e.kv_capacity_blocks
                     else 0.0,
                     # NOTE: the router counts a request from dispatch, so these include what
                     # waits in an engine's bootstrap and prealloc queues (the simulator's do
                     # not): the live engines do not report those queues apart yet.
-                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    queued_prefill_tokens=load.queued_prefill_tokens,
                     # NOTE: the engines do not report preempted decode requests
                     # (`queued_decode`, 0), and SGLang's decode admits a request only once its
                     # KV is allocated.

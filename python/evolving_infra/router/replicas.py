@@ -1,4 +1,5 @@
-"""Router replicas coordinated through Redis (issue 29): which replica runs the planner.
+"""Router replicas coordinated through Redis (issue 29): which replica runs the planner, and the
+work each one has sent to each engine.
 
 Several routers may serve the same engines; each follows every engine's KV-event and sample
 streams itself (ZMQ fans out), so each has the whole directory. Exactly one of them may run the
@@ -15,17 +16,28 @@ acquire or renewal plus `ttl_s` less a margin for the clocks' drift (`is_leader`
 so a holder whose renewals stall (Redis unreachable, a stopped event loop) steps down before
 another can take the key. A replica that stops cleanly releases the key (`release`): the next
 one takes it at its next attempt rather than after the expiry.
+
+The work in flight (`LoadExchange`): each replica counts what it sent to each engine and has not
+seen finish (`loads.LoadTracker`), and its decode-KV gate what it committed. Alone, each would
+pick the engine that looks emptiest to it, and N replicas would all pick the same one. Every
+`interval` (0.1 s) each replica writes its own figures to a Redis key that expires after a few
+intervals, and reads the others' in the same round trip (one script); their sum is its tracker's
+`peers`, which placement, the decode-KV gate and the planner's samples count with its own. A
+replica that dies stops counting once its key expires.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import structlog
+
+from evolving_infra.router.loads import LoadTracker, NodeWork
 
 log = structlog.get_logger(__name__)
 
@@ -152,3 +164,111 @@ class LeaderLease:
         text = value.decode() if isinstance(value, bytes) else str(value)
         name, _, epoch = text.rpartition(" ")
         return name, int(epoch)
+
+
+# KEYS[1] the set of replica names; ARGV[1] the key prefix, ARGV[2] this replica, ARGV[3] its
+# figures, ARGV[4] their TTL in ms. Writes ours; returns the others' as [name, figures, ...],
+# and forgets the names whose figures expired (a replica gone).
+_EXCHANGE = """
+redis.call('SADD', KEYS[1], ARGV[2])
+redis.call('SET', ARGV[1] .. ARGV[2], ARGV[3], 'PX', ARGV[4])
+local out = {}
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if name ~= ARGV[2] then
+    local v = redis.call('GET', ARGV[1] .. name)
+    if v then
+      table.insert(out, name)
+      table.insert(out, v)
+    else
+      redis.call('SREM', KEYS[1], name)
+    end
+  end
+end
+return out
+"""
+
+DEFAULT_EXCHANGE_S = 0.1
+EXPIRE_INTERVALS = 5  # a replica's figures outlive this many missed writes, no more
+
+
+class LoadExchange:
+    """Each replica's work per engine, shared through Redis (see the module docstring).
+
+    `extra()`: KV blocks committed per engine beyond the tracker's count (the decode-KV gate's,
+    `admission.DecodeGate.extra`), published with this replica's KV figure.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        replica: str,
+        tracker: LoadTracker,
+        *,
+        extra: Callable[[], Mapping[int, int]] | None = None,
+        interval: float = DEFAULT_EXCHANGE_S,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0, got {interval}")
+        self.client = client
+        self.replica = replica
+        self.tracker = tracker
+        self.extra = extra
+        self.interval = interval
+        self.members = f"{prefix}:replicas"
+        self.prefix = f"{prefix}:load:"
+        self.peers_seen = 0  # other replicas in the last exchange
+        self._script = client.register_script(_EXCHANGE)
+        self._failed_since: float | None = None
+
+    def figures(self) -> str:
+        """This replica's work as published: {node: NodeWork.figures()} as JSON."""
+        extra = self.extra() if self.extra is not None else {}
+        out = {}
+        for node, work in self.tracker.loads.items():
+            f = work.figures()
+            f[4] += extra.get(node, 0)  # kv_used_blocks: the gate's commitments too
+            out[str(node)] = f
+        for node, blocks in extra.items():
+            if str(node) not in out:
+                out[str(node)] = [0, 0, 0, 0, blocks, 0]
+        return json.dumps(out, separators=(",", ":"))
+
+    async def exchange(self) -> bool:
+        """Publish ours, read the others' into `tracker.peers`; False when Redis failed (the
+        peers are kept for `EXPIRE_INTERVALS` intervals, then dropped: stale work misleads)."""
+        ttl_ms = max(int(self.interval * EXPIRE_INTERVALS * 1000), 1)
+        try:
+            raw = await self._script(
+                keys=[self.members], args=[self.prefix, self.replica, self.figures(), ttl_ms]
+            )
+        except Exception as e:
+            now = time.monotonic()
+            if self._failed_since is None:
+                self._failed_since = now
+                log.warning("load_exchange_failed", replica=self.replica, error=str(e))
+            if now - self._failed_since > self.interval * EXPIRE_INTERVALS:
+                self.tracker.peers = {}
+            return False
+        self._failed_since = None
+        peers: dict[int, NodeWork] = {}
+        for i in range(1, len(raw), 2):
+            text = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
+            for node, figures in json.loads(text).items():
+                work = NodeWork.of(figures)
+                n = int(node)
+                peers[n] = work if n not in peers else peers[n].plus(work)
+        self.tracker.peers = peers
+        self.peers_seen = len(raw) // 2
+        return True
+
+    async def run(self) -> NoReturn:
+        while True:
+            await self.exchange()
+            await asyncio.sleep(self.interval)
+
+    async def leave(self) -> None:
+        """Take this replica's figures out now (a clean stop)."""
+        with contextlib.suppress(Exception):
+            await self.client.delete(self.prefix + self.replica)
+            await self.client.srem(self.members, self.replica)
