@@ -175,6 +175,27 @@ def test_fork_copies_the_parent_and_unknown_parent_is_404() -> None:
     run_router(test)
 
 
+def test_with_replicas_a_moved_tree_is_adopted_not_refused() -> None:
+    """A replica that never saw a tree (the front moved it from one that died) starts a fork of
+    an unknown parent, or a compaction of an unknown branch, from the request's own prompt."""
+
+    async def test(r: Router) -> None:
+        r.tracker.adopt_unknown = True
+        d = r.directory
+        fork = LONGER + " try A"
+        assert (await complete(r, fork, headers("f1", "ghost", "fork")))[0] == 200
+        assert "f1" in r.tracker
+        assert counts(d, fork) == [1] * len(hashes(fork))
+        # Its retry is the same fork; another parent is still a conflict.
+        assert (await complete(r, fork, headers("f1", "ghost", "fork")))[0] == 200
+        assert (await complete(r, fork, headers("f1", "other", "fork")))[0] == 409
+        status, _ = await complete(r, COMPACTED, headers("lost", event="compaction"))
+        assert status == 200
+        assert counts(d, COMPACTED) == [1] * len(hashes(COMPACTED))
+
+    run_router(test)
+
+
 def test_compaction_drops_the_old_history() -> None:
     async def test(r: Router) -> None:
         d = r.directory

@@ -20,7 +20,13 @@ from evolving_infra.planner.base import Split
 from evolving_infra.router.loads import EngineHandle, LoadTracker
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.replicas import EXPIRE_INTERVALS, LeaderLease, LoadExchange
+from evolving_infra.router.replicas import (
+    EXPIRE_INTERVALS,
+    Board,
+    LeaderLease,
+    LoadExchange,
+    shared_tails,
+)
 from evolving_infra.timing.model import IterationModel
 from redis_helpers import redis_server
 from test_engine_sim_helpers import settings
@@ -235,8 +241,8 @@ def test_replicas_count_each_others_work_until_it_expires() -> None:
         await a.leave()
         assert await b.exchange()
         assert tb.used_blocks(1) == 10
-        await a.client.aclose()
-        await b.client.aclose()
+        await a.board.client.aclose()
+        await b.board.client.aclose()
 
     with redis_server() as server:
         asyncio.run(main(server.url))
@@ -257,8 +263,24 @@ def test_a_lost_redis_drops_the_peers_work_after_a_while() -> None:
         await asyncio.sleep(0.05 * EXPIRE_INTERVALS + 0.05)
         assert not await b.exchange()
         assert tb.used_blocks(1) == 0
+        await a.board.client.aclose()
+        await b.board.client.aclose()
+
+    with redis_server() as server:
+        asyncio.run(main(server.kill, server.url))
+
+
+def test_every_replica_hints_every_replicas_live_branches() -> None:
+    async def main(url: str) -> None:
+        a = Board(aredis.from_url(url), "a", "tails")
+        b = Board(aredis.from_url(url), "b", "tails")
+        assert await shared_tails(a, [1, -(2**63), 2**63 - 1], 1.0) == {1, -(2**63), 2**63 - 1}
+        assert await shared_tails(b, [5], 1.0) == {1, -(2**63), 2**63 - 1, 5}
+        assert await shared_tails(a, [], 1.0) == {5}  # a's branches ended; b's still live
+        await b.leave()
+        assert await shared_tails(a, [7], 1.0) == {7}
         await a.client.aclose()
         await b.client.aclose()
 
     with redis_server() as server:
-        asyncio.run(main(server.kill, server.url))
+        asyncio.run(main(server.url))

@@ -25,6 +25,12 @@ A parent without `fork` is a sub-agent's own context: recorded for logs, no dire
 
 Branches idle for longer than the TTL are ended by `expire`, so that a harness that never ends its
 branches cannot make every block look needed forever.
+
+With router replicas (`adopt_unknown`), a branch can arrive at a replica that never saw it: its
+tree's replica died and the front moved the tree (`front.py`). A fork of a parent this replica
+does not know, or a compaction of a branch it does not know, then starts the branch from the
+request's own prompt (logged `branch_adopted`) instead of a 404: the prompt holds the context the
+parent's or the old one's would have given, so nothing the client sent is lost.
 """
 
 from __future__ import annotations
@@ -198,6 +204,7 @@ class BranchTracker:
         self._ids = itertools.count()
         self.on_event: Callable[[str], None] | None = None  # called with each event's name
         self.on_end: Callable[[str], None] | None = None  # called with each ended named branch
+        self.adopt_unknown = False  # router replicas: see the module docstring
 
     @property
     def live(self) -> int:
@@ -226,11 +233,14 @@ class BranchTracker:
         live = self._named.get(b)
         if info.event is BranchEvent.FORK:
             assert info.parent is not None, "parse_branch_info: a fork has a parent"
-            if live is None:
-                if info.parent not in self._named:
+            if live is None and info.parent not in self._named:
+                if not self.adopt_unknown:
                     raise UnknownBranchError(
                         f"unknown parent branch {info.parent!r}", "agent.parent"
                     )
+                log.info("branch_adopted", branch=b, parent=info.parent, on="fork")
+                live = self._named[b] = _Live(info.parent, now)  # a retry is the same fork
+            elif live is None:
                 # A KvDirectoryError here is a bug (the tracker and the directory disagree):
                 # it reaches the app's catch-all, a logged 500.
                 self.directory.branch_fork(info.parent, b)
@@ -243,7 +253,9 @@ class BranchTracker:
                     "agent.branch",
                 )
         elif info.event is BranchEvent.COMPACTION and live is None:
-            raise UnknownBranchError(f"compaction of unknown branch {b!r}", "agent.branch")
+            if not self.adopt_unknown:
+                raise UnknownBranchError(f"compaction of unknown branch {b!r}", "agent.branch")
+            log.info("branch_adopted", branch=b, on="compaction")
         self._set(b, hashes)
         if live is None:
             live = self._named[b] = _Live(parent=None, last_active=now)

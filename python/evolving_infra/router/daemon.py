@@ -24,7 +24,7 @@ import contextlib
 import math
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,7 +47,7 @@ from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.replicas import LeaderLease, LoadExchange
+from evolving_infra.router.replicas import Board, LeaderLease, LoadExchange, shared_tails
 from evolving_infra.router.server import Serving, serve
 from evolving_infra.router.tokenize import load_tokenizer
 from evolving_infra.router.transport import HttpTransport
@@ -200,6 +200,7 @@ class RouterDaemon:
         self.planner: LivePlanner | None = None
         self.lease: LeaderLease | None = None  # with router replicas (`--coordination`)
         self.exchange: LoadExchange | None = None  # their work per engine, shared
+        self.tails: Board | None = None  # their live branches' last blocks, shared
         self.tracker = BranchTracker(self.directory, config.branch_ttl)
         self.serving: Serving | None = None
         self.port = 0
@@ -243,6 +244,8 @@ class RouterDaemon:
         for e in found:
             self.registry.add(handle_of(e.info))
         self.lease = None if cfg.coordination is None else self._lease(cfg)
+        # A tree the front moved here from a replica that died: its forks are adopted.
+        self.tracker.adopt_unknown = self.lease is not None
         self.planner = LivePlanner(
             self.registry,
             {n: e.client for n, e in self.engines.items()},
@@ -316,6 +319,7 @@ class RouterDaemon:
                 self.registry.loads,
                 extra=self.dispatcher.gate.extra if self.dispatcher.gate is not None else None,
             )
+            self.tails = Board(self.lease.client, self.lease.replica, "tails")
             self._tasks.append(asyncio.create_task(self.lease.run(), name="lease"))
             self._tasks.append(asyncio.create_task(self.exchange.run(), name="loads"))
         for t in self._tasks:
@@ -444,7 +448,10 @@ class RouterDaemon:
         part of the eviction order, applied by the engine's own eviction)."""
         while True:
             await asyncio.sleep(HINTS_INTERVAL_S)
-            hints = dict.fromkeys(self.tracker.live_tails().values(), 1)
+            tails: Iterable[int] = self.tracker.live_tails().values()
+            if self.tails is not None:  # every replica's branches: each send replaces the last
+                tails = await shared_tails(self.tails, tails, 3 * HINTS_INTERVAL_S)
+            hints = dict.fromkeys(tails, 1)
             await asyncio.gather(*(self._hint(n, e, hints) for n, e in self.engines.items()))
 
     async def _hint(self, node: int, engine: _Engine, hints: dict[int, int]) -> None:
@@ -571,6 +578,8 @@ class RouterDaemon:
         await asyncio.gather(*(e.client.close() for e in self.engines.values()))
         if self.exchange is not None:
             await self.exchange.leave()
+        if self.tails is not None:
+            await self.tails.leave()
         if self.lease is not None:
             await self.lease.client.aclose()
         self._stopped.set()

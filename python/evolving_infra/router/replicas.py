@@ -23,7 +23,8 @@ pick the engine that looks emptiest to it, and N replicas would all pick the sam
 `interval` (0.1 s) each replica writes its own figures to a Redis key that expires after a few
 intervals, and reads the others' in the same round trip (one script); their sum is its tracker's
 `peers`, which placement, the decode-KV gate and the planner's samples count with its own. A
-replica that dies stops counting once its key expires.
+replica that dies stops counting once its key expires. The live branches' last blocks, which
+each replica's eviction hints name, are shared the same way (`shared_tails`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
+import numpy as np
 import structlog
 
 from evolving_infra.router.loads import LoadTracker, NodeWork
@@ -167,9 +169,9 @@ class LeaderLease:
 
 
 # KEYS[1] the set of replica names; ARGV[1] the key prefix, ARGV[2] this replica, ARGV[3] its
-# figures, ARGV[4] their TTL in ms. Writes ours; returns the others' as [name, figures, ...],
-# and forgets the names whose figures expired (a replica gone).
-_EXCHANGE = """
+# value, ARGV[4] its TTL in ms. Writes ours; returns the others' as [name, value, ...], and
+# forgets the names whose values expired (a replica gone).
+_SWAP = """
 redis.call('SADD', KEYS[1], ARGV[2])
 redis.call('SET', ARGV[1] .. ARGV[2], ARGV[3], 'PX', ARGV[4])
 local out = {}
@@ -186,6 +188,32 @@ for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+
+
+class Board:
+    """One value per replica of one `kind`, each written with an expiry: `swap` writes this
+    replica's and reads the others' in one round trip (one script); `leave` removes it."""
+
+    def __init__(self, client: Any, replica: str, kind: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self.client = client
+        self.replica = replica
+        self.members = f"{prefix}:{kind}:members"
+        self.prefix = f"{prefix}:{kind}:of:"
+        self._script = client.register_script(_SWAP)
+
+    async def swap(self, value: bytes | str, ttl_s: float) -> list[bytes]:
+        """Write ours (kept `ttl_s`), return the others' values."""
+        ttl_ms = max(int(ttl_s * 1000), 1)
+        raw = await self._script(
+            keys=[self.members], args=[self.prefix, self.replica, value, ttl_ms]
+        )
+        return [v if isinstance(v, bytes) else str(v).encode() for v in raw[1::2]]
+
+    async def leave(self) -> None:
+        with contextlib.suppress(Exception):  # unreachable: the expiry removes it
+            await self.client.delete(self.prefix + self.replica)
+            await self.client.srem(self.members, self.replica)
+
 
 DEFAULT_EXCHANGE_S = 0.1
 EXPIRE_INTERVALS = 5  # a replica's figures outlive this many missed writes, no more
@@ -210,15 +238,12 @@ class LoadExchange:
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be > 0, got {interval}")
-        self.client = client
+        self.board = Board(client, replica, "load", prefix)
         self.replica = replica
         self.tracker = tracker
         self.extra = extra
         self.interval = interval
-        self.members = f"{prefix}:replicas"
-        self.prefix = f"{prefix}:load:"
         self.peers_seen = 0  # other replicas in the last exchange
-        self._script = client.register_script(_EXCHANGE)
         self._failed_since: float | None = None
 
     def figures(self) -> str:
@@ -237,11 +262,8 @@ class LoadExchange:
     async def exchange(self) -> bool:
         """Publish ours, read the others' into `tracker.peers`; False when Redis failed (the
         peers are kept for `EXPIRE_INTERVALS` intervals, then dropped: stale work misleads)."""
-        ttl_ms = max(int(self.interval * EXPIRE_INTERVALS * 1000), 1)
         try:
-            raw = await self._script(
-                keys=[self.members], args=[self.prefix, self.replica, self.figures(), ttl_ms]
-            )
+            values = await self.board.swap(self.figures(), self.interval * EXPIRE_INTERVALS)
         except Exception as e:
             now = time.monotonic()
             if self._failed_since is None:
@@ -252,14 +274,13 @@ class LoadExchange:
             return False
         self._failed_since = None
         peers: dict[int, NodeWork] = {}
-        for i in range(1, len(raw), 2):
-            text = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
-            for node, figures in json.loads(text).items():
+        for value in values:
+            for node, figures in json.loads(value).items():
                 work = NodeWork.of(figures)
                 n = int(node)
                 peers[n] = work if n not in peers else peers[n].plus(work)
         self.tracker.peers = peers
-        self.peers_seen = len(raw) // 2
+        self.peers_seen = len(values)
         return True
 
     async def run(self) -> NoReturn:
@@ -269,6 +290,20 @@ class LoadExchange:
 
     async def leave(self) -> None:
         """Take this replica's figures out now (a clean stop)."""
-        with contextlib.suppress(Exception):
-            await self.client.delete(self.prefix + self.replica)
-            await self.client.srem(self.members, self.replica)
+        await self.board.leave()
+
+
+async def shared_tails(board: Board, own: Iterable[int], ttl_s: float) -> set[int]:
+    """The live branches' last blocks of every replica: `own` published (as int64s), the
+    others' read. Each replica's eviction hints replace the engine's previous set, so each sends
+    the union: otherwise an engine would keep only the last sender's branches. A Redis error
+    gives `own` alone (logged)."""
+    mine = set(own)
+    try:
+        values = await board.swap(np.array(sorted(mine), dtype=np.int64).tobytes(), ttl_s)
+    except Exception as e:
+        log.warning("tails_exchange_failed", replica=board.replica, error=str(e))
+        return mine
+    for v in values:
+        mine.update(int(x) for x in np.frombuffer(v, dtype=np.int64))
+    return mine
