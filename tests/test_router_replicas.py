@@ -284,3 +284,24 @@ def test_every_replica_hints_every_replicas_live_branches() -> None:
 
     with redis_server() as server:
         asyncio.run(main(server.url))
+
+
+def test_a_lost_renewal_answer_keeps_the_lease_and_its_epoch() -> None:
+    async def main(url: str) -> None:
+        [a] = leases(url, "a")
+        assert await a.attempt()
+        real = a._renew
+
+        async def lost(**_: object) -> int:
+            raise ConnectionError("answer lost")
+
+        a._renew = lost
+        assert not await a.attempt()
+        assert not a.is_leader
+        a._renew = real
+        assert await a.attempt()  # the key was still a's: renewed, same epoch
+        assert a.epoch == 1
+        await closed(a)
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))

@@ -121,10 +121,11 @@ class LeaderLease:
         was = self.is_leader
         start = self._clock()
         try:
-            if self.epoch and self._until > 0.0:
-                held = bool(await self._renew(keys=[self.key], args=[self._value, self._ttl_ms]))
-            else:
-                held = False
+            # Renewed while the key is still ours, even after an attempt that failed here (a
+            # lost answer): the epoch stays, as nobody else can have held the lease meanwhile.
+            held = self.epoch > 0 and bool(
+                await self._renew(keys=[self.key], args=[self._value, self._ttl_ms])
+            )
             if not held:
                 epoch = int(await self._acquire(keys=[self.key, self.epoch_key],
                                                 args=[self.replica, self._ttl_ms]))  # fmt: skip
