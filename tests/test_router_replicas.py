@@ -17,6 +17,7 @@ import redis.asyncio as aredis
 from evolving_infra.control import EngineClient, serve
 from evolving_infra.engines.sim import SimEngine
 from evolving_infra.planner.base import Split
+from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.loads import EngineHandle, LoadTracker
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
@@ -302,6 +303,36 @@ def test_a_lost_renewal_answer_keeps_the_lease_and_its_epoch() -> None:
         assert await a.attempt()  # the key was still a's: renewed, same epoch
         assert a.epoch == 1
         await closed(a)
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))
+
+
+def test_room_another_replica_frees_admits_the_requests_waiting_here() -> None:
+    """The decode-KV gate of replica b holds a request while a's work fills the engine; once a's
+    work is gone, b's exchange tells b's registry, and the gate admits at once (not at 60 s)."""
+
+    async def main(url: str) -> None:
+        ra, rb = EngineRegistry(), EngineRegistry()
+        for r in (ra, rb):
+            r.add(EngineHandle(0, "", "decode", "", 0, 1000))
+        gate = DecodeGate(rb.decode_space, max_wait_s=60.0)
+        rb.listen(gate.notify)
+        a = LoadExchange(aredis.from_url(url), "a", ra.loads, interval=0.05)
+        b = LoadExchange(aredis.from_url(url), "b", rb.loads, on_change=rb.changed, interval=0.05)
+        ra.loads.add_decode(0, blocks=900, context=14_000, prompt_blocks=800)
+        assert await a.exchange()
+        assert await b.exchange()
+        assert rb.loads.used_blocks(0) == 900
+        waiting = asyncio.create_task(gate.wait(300, lambda extra: 0))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # 900 + 300 > 1000: held
+        ra.loads.done_decode(0, blocks=900, context=14_000, prompt_blocks=800)
+        assert await a.exchange()
+        assert await b.exchange()
+        assert await asyncio.wait_for(waiting, 1.0) == 0
+        await a.board.client.aclose()
+        await b.board.client.aclose()
 
     with redis_server() as server:
         asyncio.run(main(server.url))

@@ -318,6 +318,7 @@ class RouterDaemon:
                 self.lease.replica,
                 self.registry.loads,
                 extra=self.dispatcher.gate.extra if self.dispatcher.gate is not None else None,
+                on_change=self.registry.changed,
             )
             self.tails = Board(self.lease.client, self.lease.replica, "tails")
             self._tasks.append(asyncio.create_task(self.lease.run(), name="lease"))

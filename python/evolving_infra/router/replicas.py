@@ -224,7 +224,10 @@ class LoadExchange:
     """Each replica's work per engine, shared through Redis (see the module docstring).
 
     `extra()`: KV blocks committed per engine beyond the tracker's count (the decode-KV gate's,
-    `admission.DecodeGate.extra`), published with this replica's KV figure.
+    `admission.DecodeGate.extra`), published with this replica's KV figure. `on_change()`: called
+    when the others' work changed (the engine registry's `changed`: the decode-KV gate re-checks
+    its queues then, or a request waiting for room another replica freed would wait until this
+    replica's own next change, or its 60 s, and be refused).
     """
 
     def __init__(
@@ -234,6 +237,7 @@ class LoadExchange:
         tracker: LoadTracker,
         *,
         extra: Callable[[], Mapping[int, int]] | None = None,
+        on_change: Callable[[], None] | None = None,
         interval: float = DEFAULT_EXCHANGE_S,
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
@@ -243,6 +247,7 @@ class LoadExchange:
         self.replica = replica
         self.tracker = tracker
         self.extra = extra
+        self.on_change = on_change
         self.interval = interval
         self.peers_seen = 0  # other replicas in the last exchange
         self._failed_since: float | None = None
@@ -271,7 +276,7 @@ class LoadExchange:
                 self._failed_since = now
                 log.warning("load_exchange_failed", replica=self.replica, error=str(e))
             if now - self._failed_since > self.interval * EXPIRE_INTERVALS:
-                self.tracker.peers = {}
+                self._set_peers({})
             return False
         self._failed_since = None
         peers: dict[int, NodeWork] = {}
@@ -280,9 +285,15 @@ class LoadExchange:
                 work = NodeWork.of(figures)
                 n = int(node)
                 peers[n] = work if n not in peers else peers[n].plus(work)
-        self.tracker.peers = peers
+        self._set_peers(peers)
         self.peers_seen = len(values)
         return True
+
+    def _set_peers(self, peers: dict[int, NodeWork]) -> None:
+        if peers != self.tracker.peers:
+            self.tracker.peers = peers
+            if self.on_change is not None:
+                self.on_change()
 
     async def run(self) -> NoReturn:
         while True:
