@@ -17,6 +17,7 @@ import redis.asyncio as aredis
 from evolving_infra.control import EngineClient, serve
 from evolving_infra.engines.sim import SimEngine
 from evolving_infra.planner.base import Split
+from evolving_infra.planner.slices import Slices
 from evolving_infra.router.admission import DecodeGate
 from evolving_infra.router.loads import EngineHandle, LoadTracker
 from evolving_infra.router.planning import LivePlanner
@@ -26,6 +27,7 @@ from evolving_infra.router.replicas import (
     Board,
     LeaderLease,
     LoadExchange,
+    SharedFeed,
     shared_tails,
 )
 from evolving_infra.timing.model import IterationModel
@@ -333,6 +335,38 @@ def test_room_another_replica_frees_admits_the_requests_waiting_here() -> None:
         assert await asyncio.wait_for(waiting, 1.0) == 0
         await a.board.client.aclose()
         await b.board.client.aclose()
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))
+
+
+def test_every_replicas_window_holds_every_replicas_arrivals() -> None:
+    async def main(url: str) -> None:
+        sa, sb = Slices(600.0, block_tokens=16), Slices(600.0, block_tokens=16)
+        a = SharedFeed(sa, aredis.from_url(url), "a", clock=lambda: 100.0)
+        b = SharedFeed(sb, aredis.from_url(url), "b", clock=lambda: 100.0)
+        assert await a.exchange()
+        assert await b.exchange()  # both read from now on
+        chain = list(range(1000, 1000 + 64))
+        a.arrival(1024, 512, 512, chain, 99.0)
+        a.tokens(40)
+        a.prefilled(1024, 500)
+        b.arrival(2048, 2048, 0, [7, 8], 99.5)
+        assert await a.exchange()
+        assert await b.exchange()
+        assert await a.exchange()
+        for s in (sa, sb):  # the same window on both
+            assert (s.requests, s.prompt, s.uncached, s.cached) == (2, 3072, 2560, 512)
+            assert (s.output, s.prefills, s.prefilled_uncached) == (40, 1, 500)
+        assert (a.applied, b.applied) == (1, 3)
+        # The reuse tracker saw a's chain on b at every 16th block: a later arrival of it on b
+        # finds its whole sampled prefix seen (the age from b's clock at receipt).
+        reuse = sb.reuse
+        assert reuse is not None
+        assert len(reuse) == len(chain[::16]) + 1
+        assert reuse.observe(130.0, chain).runs == ((64 * 16, 30.0),)
+        await a.client.aclose()
+        await b.client.aclose()
 
     with redis_server() as server:
         asyncio.run(main(server.url))

@@ -84,13 +84,15 @@ class ReuseTracker:
     def __len__(self) -> int:
         return len(self._last)
 
-    def observe(self, now: float, hashes: Sequence[int]) -> Reuse:
-        """The arrival's reusable prefix by age; then its blocks are marked seen at `now`."""
-        sampled = hashes[:: self.stride]
+    def observe(self, now: float, hashes: Sequence[int], *, sampled: bool = False) -> Reuse:
+        """The arrival's reusable prefix by age; then its blocks are marked seen at `now`.
+        `sampled`: `hashes` are already every `stride`-th block (as another router replica
+        sends them)."""
+        kept = hashes if sampled else hashes[:: self.stride]
         last = self._last
         span = self.stride * self.block_tokens  # tokens each sampled block stands for
         runs: list[tuple[int, float]] = []
-        for h in sampled:
+        for h in kept:
             seen = last.get(h)
             if seen is None or now - seen >= self.horizon_s:
                 break  # the rest of the chain is newer still (see the module docstring)
@@ -99,7 +101,7 @@ class ReuseTracker:
                 runs[-1] = (runs[-1][0] + span, runs[-1][1])
             else:
                 runs.append((span, gap))
-        last.update(dict.fromkeys(sampled, now))
+        last.update(dict.fromkeys(kept, now))
         if now - self._swept >= self.horizon_s / 4:
             self._sweep(now)
         return Reuse(tuple(runs))

@@ -78,12 +78,20 @@ class Slices:
         self.decode_kv_capacity = 0
 
     def arrival(
-        self, prompt: int, uncached: int, cached: int, hashes: Sequence[int] = (), now: float = 0.0
+        self,
+        prompt: int,
+        uncached: int,
+        cached: int,
+        hashes: Sequence[int] = (),
+        now: float = 0.0,
+        *,
+        sampled: bool = False,
     ) -> None:
         """A request arrived at `now`, its prompt estimated `uncached` + `cached` when placed;
-        `hashes`: its blocks', for the reuse tracker (ignored without one)."""
+        `hashes`: its blocks', for the reuse tracker (ignored without one); `sampled`: only
+        every `reuse.REUSE_STRIDE`-th of them (another router replica's arrival)."""
         if self.reuse is not None:
-            self.arrived_reuse.append(self.reuse.observe(now, hashes))
+            self.arrived_reuse.append(self.reuse.observe(now, hashes, sampled=sampled))
         self.requests += 1
         self.prompt += prompt
         self.uncached += uncached

@@ -47,7 +47,13 @@ from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.planning import LivePlanner
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.replicas import Board, LeaderLease, LoadExchange, shared_tails
+from evolving_infra.router.replicas import (
+    Board,
+    LeaderLease,
+    LoadExchange,
+    SharedFeed,
+    shared_tails,
+)
 from evolving_infra.router.server import Serving, serve
 from evolving_infra.router.tokenize import load_tokenizer
 from evolving_infra.router.transport import HttpTransport
@@ -201,6 +207,7 @@ class RouterDaemon:
         self.lease: LeaderLease | None = None  # with router replicas (`--coordination`)
         self.exchange: LoadExchange | None = None  # their work per engine, shared
         self.tails: Board | None = None  # their live branches' last blocks, shared
+        self.window: PlannerFeed | None = None  # what feeds the planner's window
         self.tracker = BranchTracker(self.directory, config.branch_ttl)
         self.serving: Serving | None = None
         self.port = 0
@@ -263,7 +270,7 @@ class RouterDaemon:
             self.model,
             page_size=cfg.page_size,
             transport=HttpTransport(self._session),
-            observer=Observers(PlannerFeed(self.planner.slices), self.metrics.feed()),
+            observer=Observers(self._window_feed(), self.metrics.feed()),
             admission=cfg.admission,
             context_length=cfg.context_length or (known.context_length if known else None),
             max_queue_wait_s=cfg.max_queue_wait,
@@ -323,6 +330,8 @@ class RouterDaemon:
             self.tails = Board(self.lease.client, self.lease.replica, "tails")
             self._tasks.append(asyncio.create_task(self.lease.run(), name="lease"))
             self._tasks.append(asyncio.create_task(self.exchange.run(), name="loads"))
+            if isinstance(self.window, SharedFeed):
+                self._tasks.append(asyncio.create_task(self.window.run(), name="window"))
         for t in self._tasks:
             t.add_done_callback(_said_if_failed)
         log.info(
@@ -331,6 +340,16 @@ class RouterDaemon:
             port=self.port,
             engines={n: f"{e.info.phase}@{e.address}" for n, e in sorted(self.engines.items())},
         )
+
+    def _window_feed(self) -> PlannerFeed:
+        """The planner's window as the dispatcher feeds it: with replicas, every replica's
+        arrivals (`replicas.SharedFeed`), else this router's."""
+        assert self.planner is not None
+        if self.lease is None:
+            self.window = PlannerFeed(self.planner.slices)
+        else:
+            self.window = SharedFeed(self.planner.slices, self.lease.client, self.lease.replica)
+        return self.window
 
     def _lease(self, cfg: RouterConfig) -> LeaderLease:
         """The leader lease in the coordination service (`replicas.LeaderLease`)."""

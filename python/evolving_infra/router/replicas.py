@@ -25,6 +25,13 @@ intervals, and reads the others' in the same round trip (one script); their sum 
 `peers`, which placement, the decode-KV gate and the planner's samples count with its own. A
 replica that dies stops counting once its key expires. The live branches' last blocks, which
 each replica's eviction hints name, are shared the same way (`shared_tails`).
+
+The planner's window (`SharedFeed`): the front spreads the agents over the replicas, so each sees
+only its share of the arrivals. Each replica appends what its dispatcher tells the planner's
+window (arrivals with every `REUSE_STRIDE`-th block hash, tokens decoded, prefills) to a Redis
+stream every `interval` (0.5 s), and applies the others' entries to its own window as they
+arrive (stamped with its own clock on receipt, at most an interval late), so every replica's
+window holds every arrival and a replica that takes the lease over decides on a warm window.
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
 import structlog
 
+from evolving_infra.planner.reuse import REUSE_STRIDE
+from evolving_infra.planner.slices import Slices
 from evolving_infra.router.loads import LoadTracker, NodeWork
+from evolving_infra.router.observer import PlannerFeed
 
 log = structlog.get_logger(__name__)
 
@@ -319,3 +329,96 @@ async def shared_tails(board: Board, own: Iterable[int], ttl_s: float) -> set[in
     for v in values:
         mine.update(int(x) for x in np.frombuffer(v, dtype=np.int64))
     return mine
+
+
+DEFAULT_FEED_S = 0.5
+STREAM_MAXLEN = 100_000  # entries the window stream keeps (approximately: Redis trims lazily)
+
+
+class SharedFeed(PlannerFeed):
+    """The planner's window fed by every replica's dispatcher (see the module docstring): this
+    replica's events go to its own window at once and, batched, to the stream."""
+
+    def __init__(
+        self,
+        slices: Slices,
+        client: Any,
+        replica: str,
+        *,
+        interval: float = DEFAULT_FEED_S,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(slices)
+        self.client = client
+        self.replica = replica
+        self.interval = interval
+        self.stream = f"{prefix}:window"
+        self.clock = clock
+        self.applied = 0  # the others' entries applied
+        self._out: list[list[Any]] = []
+        self._tokens = 0
+        self._last_id: bytes | str | None = None  # of the stream: read after it
+
+    def arrival(
+        self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
+    ) -> None:
+        super().arrival(prompt_tokens, uncached, cached, hashes, now)
+        sampled = [int(h) for h in hashes[::REUSE_STRIDE]]
+        self._out.append(["a", prompt_tokens, uncached, cached, sampled])
+
+    def tokens(self, n: int) -> None:
+        super().tokens(n)
+        self._tokens += n
+
+    def prefilled(self, prompt_tokens: int, uncached: int) -> None:
+        super().prefilled(prompt_tokens, uncached)
+        self._out.append(["p", prompt_tokens, uncached])
+
+    async def exchange(self) -> bool:
+        """Append ours, apply the others' since the last read; False when Redis failed (ours
+        are kept for the next try)."""
+        try:
+            if self._last_id is None:  # from now on: the stream's past is older windows'
+                last = await self.client.xrevrange(self.stream, count=1)
+                self._last_id = last[0][0] if last else "0-0"
+            if self._out or self._tokens:
+                out = self._out + ([["t", self._tokens]] if self._tokens else [])
+                body = json.dumps(out, separators=(",", ":"))
+                await self.client.xadd(
+                    self.stream, {"from": self.replica, "events": body},
+                    maxlen=STREAM_MAXLEN, approximate=True,
+                )  # fmt: skip
+                self._out, self._tokens = [], 0
+            read = await self.client.xread({self.stream: self._last_id}, count=10_000)
+        except Exception as e:
+            log.warning("window_exchange_failed", replica=self.replica, error=str(e))
+            return False
+        now = self.clock()
+        for _, entries in read:
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                if _text(fields.get(b"from", fields.get("from"))) == self.replica:
+                    continue
+                self._apply(json.loads(_text(fields.get(b"events", fields.get("events")))), now)
+        return True
+
+    def _apply(self, events: list[list[Any]], now: float) -> None:
+        s = self.slices
+        for e in events:
+            if e[0] == "a":
+                s.arrival(e[1], e[2], e[3], e[4], now, sampled=True)
+            elif e[0] == "p":
+                s.prefilled(e[1], e[2])
+            elif e[0] == "t":
+                s.tokens(e[1])
+            self.applied += 1
+
+    async def run(self) -> NoReturn:
+        while True:
+            await self.exchange()
+            await asyncio.sleep(self.interval)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
