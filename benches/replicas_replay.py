@@ -8,6 +8,8 @@ P50 (from each replica's `evolving_router_overhead_seconds`, merged), and the ba
 engines' work: each engine's share of the prefills and of the decodes (from the replicas'
 `request` log lines), as the busiest engine of a phase over that phase's mean. Every process runs
 on this machine, the clients too: on 2 cores more replicas also means more processes per core.
+With `--kill-after S`, replica 0 is SIGKILLed S seconds into the replay (R > 1): the failures
+then count what that cost (its own requests in flight, whose clients get an error).
 
 Run: `.venv/bin/python benches/replicas_replay.py` (about 3 minutes a count). Nothing is asserted:
 it prints figures (and `--json FILE` writes them).
@@ -93,19 +95,26 @@ def one(routers: int, args: argparse.Namespace) -> dict[str, Any]:
     port = 18000 + routers
     cluster = subprocess.Popen(
         [*me, "cluster", "up", "--engines", str(args.engines), "--routers", str(routers),
-         "--router-port", str(port), "--log-dir", str(log_dir), "--stop-on-failure"],
+         "--router-port", str(port), "--log-dir", str(log_dir),
+         # Killing a replica is the test: cluster up restarts it (with back-off) as it would.
+         *([] if args.kill_after is not None else ["--stop-on-failure"])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(url)
-        replay = subprocess.run(
+        replay = subprocess.Popen(
             [*me, "replay", str(args.trace), "--router", url, "--agents", str(args.agents),
              "--duration", str(args.duration), "--speed", str(args.speed),
              "--seed", str(args.seed), "--json"],
-            capture_output=True, text=True, check=True,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
-        summary = json.loads(replay.stdout)
+        killed = None
+        if args.kill_after is not None and routers > 1:
+            time.sleep(args.kill_after)
+            killed = kill_replica(0)
+        out, _ = replay.communicate()
+        summary = json.loads(out)
         urls = replica_urls(log_dir, url, routers)
         return {
             "routers": routers,
@@ -113,10 +122,21 @@ def one(routers: int, args: argparse.Namespace) -> dict[str, Any]:
             "overhead_p50_s": overhead_p50(urls),
             "balance": balance(log_dir),
             "log_dir": str(log_dir),
+            "killed_pid": killed,
         }
     finally:
         os.killpg(cluster.pid, signal.SIGINT)
         cluster.wait(120)
+
+
+def kill_replica(i: int) -> int | None:
+    """SIGKILL router replica `i` (found by its command line); its pid."""
+    found = subprocess.run(["pgrep", "-f", f"--replica router-{i}"], capture_output=True,
+                           text=True, check=False)  # fmt: skip
+    pids = [int(p) for p in found.stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids[0] if pids else None
 
 
 def replica_urls(log_dir: Path, url: str, routers: int) -> list[str]:
@@ -141,6 +161,7 @@ def main() -> None:
     p.add_argument("--speed", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--kill-after", type=float, help="SIGKILL replica 0 this many seconds in")
     p.add_argument("--json", type=Path, help="write the figures here too")
     args = p.parse_args()
     rows = [one(int(r), args) for r in args.counts.split(",")]

@@ -220,6 +220,15 @@ def test_phase_switch_keeps_the_kv() -> None:
             assert status == 200
         e = r.engine
         before = e.holdings()
+        # To its own phase: the proto's no-op (what a new planner leader fences with), at once,
+        # nothing drained: a request sent meanwhile is served.
+        same = await e.switch_phase(SwitchRequest("prefill", leader_epoch=3))
+        assert (same.phase, same.total_s, same.l1_blocks_kept) == (
+            "prefill",
+            0.0,
+            len(before["L1"]),
+        )
+        assert (await e.health()).state == "serving"
         result = await e.switch_phase(SwitchRequest("decode"))
         assert (result.previous_phase, result.phase) == ("prefill", "decode")
         assert result.switch_s == pytest.approx(2.0, rel=0.5)

@@ -370,3 +370,33 @@ def test_every_replicas_window_holds_every_replicas_arrivals() -> None:
 
     with redis_server() as server:
         asyncio.run(main(server.url))
+
+
+def test_requests_waiting_on_one_replica_hold_no_room_on_another() -> None:
+    """Only what a replica's gate admitted counts on the others: its waiting requests use no
+    room, and counted, two replicas' queues would wait on each other until both shed."""
+
+    async def main(url: str) -> None:
+        ra, rb = EngineRegistry(), EngineRegistry()
+        for r in (ra, rb):
+            r.add(EngineHandle(0, "", "decode", "", 0, 1000))
+        gate_a = DecodeGate(ra.decode_space, max_wait_s=60.0)
+        gate_b = DecodeGate(rb.decode_space, max_wait_s=60.0)
+        a = LoadExchange(aredis.from_url(url), "a", ra.loads, extra=gate_a.claimed, interval=0.05)
+        b = LoadExchange(aredis.from_url(url), "b", rb.loads, extra=gate_b.claimed, interval=0.05)
+        ra.loads.add_decode(0, blocks=300, context=4800, prompt_blocks=300)
+        held = asyncio.create_task(gate_a.wait(800, lambda extra: 0))  # 300 + 800 > 1000
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        assert gate_a.extra() == {0: 800}
+        assert gate_a.claimed() == {}
+        assert await a.exchange()
+        assert await b.exchange()
+        assert rb.loads.used_blocks(0) == 300  # a's running work, not its queue
+        assert await asyncio.wait_for(gate_b.wait(500, lambda extra: 0), 1.0) == 0
+        held.cancel()
+        await a.board.client.aclose()
+        await b.board.client.aclose()
+
+    with redis_server() as server:
+        asyncio.run(main(server.url))

@@ -58,6 +58,31 @@ def test_soak_with_an_engine_killed_and_the_router_restarted_loses_nothing(
     assert 0.0 < report["router_overhead_p99_s"] <= 30.0
 
 
+def test_soak_over_two_router_replicas_with_one_restarted_loses_nothing(tmp_path: Path) -> None:
+    """Two replicas behind the front, an engine killed and replica 0 restarted (its lease
+    handed over, its trees moved and back): nothing lost, both replicas' overhead counted."""
+    out = subprocess.run(
+        [sys.executable, "-m", "evolving_infra", "soak", "--agents", "6", "--duration", "30",
+         "--routers", "2", "--no-pool", "--kill-engine-at", "8", "--restart-router-at", "15",
+         "--request-timeout", "60", "--log-dir", str(tmp_path / "logs"), "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] is True
+    assert report["lost"] == 0
+    assert report["completed"] > 0
+    names = {m["name"] for m in report["memory"]}
+    assert names >= {"front", "router-0", "router-1", "redis", "router (restarted)"}
+    assert report["router_overhead_count"] >= report["completed"] - report["failed"]
+    logs = tmp_path / "logs"
+    leaders = [
+        line for f in logs.glob("router-*.log") for line in f.read_text().splitlines()
+        if '"event": "leader"' in line
+    ]  # fmt: skip
+    assert leaders  # a replica led
+
+
 def test_quantile_reads_buckets_as_prometheus_does() -> None:
     registry = CollectorRegistry()
     h = Histogram(probes.OVERHEAD, "x", buckets=(0.01, 0.1, 1.0), registry=registry)
@@ -163,7 +188,11 @@ def test_the_soak_hands_its_cluster_options_to_cluster_up() -> None:
 
     p = argparse.ArgumentParser()
     soak_command.add_arguments(p)
-    args = p.parse_args(["--engines", "6", "--gpu", "h200-sxm", "--no-pool", "--l2-blocks", "5000"])
+    args = p.parse_args(
+        ["--engines", "6", "--gpu", "h200-sxm", "--no-pool", "--l2-blocks", "5000",
+         "--routers", "3"]
+    )  # fmt: skip
     up = soak_command._cluster_args(args)
     assert (up.engines, up.gpu, up.no_pool, up.l2_blocks) == (6, "h200-sxm", True, 5000)
+    assert up.routers == 3
     assert soak_command._cluster_args(p.parse_args([])).l2_blocks is None

@@ -123,6 +123,13 @@ class DecodeGate:
                 out[e] = out.get(e, 0) + b
         return out
 
+    def claimed(self) -> dict[int, int]:
+        """Blocks of requests admitted per engine that have not taken their room yet: what other
+        router replicas must count as used (`replicas.LoadExchange`). Not the requests waiting
+        here: they use no room, and counted by each other's gates, two replicas' queues would
+        wait on each other until both shed."""
+        return {e: b for e, b in self._claimed.items() if b}
+
     def freed(self, engine: int, blocks: int) -> None:
         """A request that held `blocks` on decode engine `engine` ended (the drain rate)."""
         now = self._clock()

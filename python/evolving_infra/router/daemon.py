@@ -324,7 +324,7 @@ class RouterDaemon:
                 self.lease.client,
                 self.lease.replica,
                 self.registry.loads,
-                extra=self.dispatcher.gate.extra if self.dispatcher.gate is not None else None,
+                extra=self.dispatcher.gate.claimed if self.dispatcher.gate is not None else None,
                 on_change=self.registry.changed,
             )
             self.tails = Board(self.lease.client, self.lease.replica, "tails")

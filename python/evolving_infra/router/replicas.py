@@ -233,11 +233,12 @@ EXPIRE_INTERVALS = 5  # a replica's figures outlive this many missed writes, no 
 class LoadExchange:
     """Each replica's work per engine, shared through Redis (see the module docstring).
 
-    `extra()`: KV blocks committed per engine beyond the tracker's count (the decode-KV gate's,
-    `admission.DecodeGate.extra`), published with this replica's KV figure. `on_change()`: called
-    when the others' work changed (the engine registry's `changed`: the decode-KV gate re-checks
-    its queues then, or a request waiting for room another replica freed would wait until this
-    replica's own next change, or its 60 s, and be refused).
+    `extra()`: KV blocks committed per engine beyond the tracker's count (the decode-KV gate's
+    admitted requests, `admission.DecodeGate.claimed`), published with this replica's KV
+    figure. `on_change()`: called when the others' work changed (the engine registry's
+    `changed`: the decode-KV gate re-checks its queues then, or a request waiting for room
+    another replica freed would wait until this replica's own next change, or its 60 s, and be
+    refused).
     """
 
     def __init__(

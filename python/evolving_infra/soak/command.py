@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="stop the router S seconds into the load, start it again (default: never)")  # fmt: skip
     a("--engines", type=int_at_least(2), default=4,
       help="simulated engines, at least 2 (default: 4)")  # fmt: skip
+    a("--routers", type=positive_int, default=1,
+      help="router replicas behind a front, as cluster up --routers (default: 1);"
+      " --restart-router-at restarts replica 0")  # fmt: skip
     a("--prefill", type=natural_int, default=None,
       help="engines starting as prefill (default: half, rounded up)")  # fmt: skip
     a("--time-scale", type=positive_float, default=1.0,
@@ -144,6 +147,7 @@ def _cluster_args(args: argparse.Namespace) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     cluster_command.add_arguments(p)
     argv = ["up", "--engines", str(args.engines), "--router-port", "0",
+            "--routers", str(args.routers),
             "--time-scale", str(args.time_scale), "--gpu", args.gpu,
             "--log-dir", str(args.log_dir)]  # fmt: skip
     if args.prefill is not None:
@@ -221,7 +225,8 @@ async def _soak(r: _Run, trace: Trace, console: Console) -> SoakReport:
             for task in side:
                 task.cancel()
             await asyncio.gather(replay, *side, return_exceptions=True)
-        r.overhead.append(await _scrape(session, cluster.router_url))
+        for url in _routers(cluster):
+            r.overhead.append(await _scrape(session, url))
     r.sample()
     buckets = probes.merge(r.overhead)
     return SoakReport(
@@ -269,10 +274,17 @@ async def _kill_engine(r: _Run) -> None:
     r.faults.append({"fault": "kill_engine", "node": n, "at_s": round(t, 1)})
 
 
+def _routers(cluster: Cluster) -> list[str]:
+    """Each router's own address: the replicas' (not the front's), or the one router's."""
+    return cluster.replica_urls or [cluster.router_url]
+
+
 async def _restart_router(r: _Run, session: aiohttp.ClientSession) -> None:
     cluster = r.cluster
-    proc = next(p for p in cluster.procs if p.name == "router")
-    r.overhead.append(await _scrape(session, cluster.router_url))
+    name = "router-0" if cluster.replica_urls else "router"
+    url = _routers(cluster)[0]
+    proc = next(p for p in cluster.procs if p.name == name)
+    r.overhead.append(await _scrape(session, url))
     t = r.now()
     log.warning("soak: restarting the router", t=round(t, 1))
 
@@ -283,7 +295,7 @@ async def _restart_router(r: _Run, session: aiohttp.ClientSession) -> None:
         proc.wait()
         proc.start()
         cluster.procs.append(proc)
-        cluster_command.wait_healthy(cluster, f"{cluster.router_url}/health", "the router")
+        cluster_command.wait_healthy(cluster, f"{url}/health", f"the router ({name})")
 
     await asyncio.to_thread(restart)
     away = r.now() - t

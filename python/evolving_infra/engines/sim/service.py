@@ -76,6 +76,9 @@ class SimEngine(EngineCore, EngineControlService):
     async def switch_phase(self, request: SwitchRequest) -> SwitchResult:
         if self._switching:
             raise EngineBusyError("a phase switch is already in progress")
+        if request.target == self.node.phase:  # the proto's no-op: nothing drains
+            phase = self.node.phase
+            return SwitchResult(phase, phase, 0.0, 0.0, 0.0, self.kv.l1_held, self.kv.l2_held)
         self._switching = True
         node, s, scale = self.node, self.settings, self.env.scale
         previous, started = node.phase, self.loop.time()
