@@ -9,11 +9,26 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from evolving_infra.soak import probes
+
+
+def soak(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    """`soak` scaled down (6 agents, 30 s, engine 3 killed at 8 s, the router restarted at 15 s),
+    in a process of its own; its JSON report."""
+    out = subprocess.run(
+        [sys.executable, "-m", "evolving_infra", "soak", "--agents", "6", "--duration", "30",
+         "--kill-engine-at", "8", "--restart-router-at", "15", "--request-timeout", "60",
+         "--log-dir", str(tmp_path / "logs"), "--json", *extra],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
 
 
 def test_soak_with_an_engine_killed_and_the_router_restarted_loses_nothing(
@@ -22,14 +37,7 @@ def test_soak_with_an_engine_killed_and_the_router_restarted_loses_nothing(
     """The command as `make soak` runs it, scaled down: every process real, the faults real
     signals. Failures are allowed (the killed engine's requests, clients that reach the router
     while it restarts, each answered with an error); lost requests are not."""
-    out = subprocess.run(
-        [sys.executable, "-m", "evolving_infra", "soak", "--agents", "6", "--duration", "30",
-         "--kill-engine-at", "8", "--restart-router-at", "15", "--request-timeout", "60",
-         "--log-dir", str(tmp_path / "logs"), "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = soak(tmp_path)
     assert report["ok"] is True
     assert report["lost"] == 0
     assert report["completed"] > 0
@@ -61,14 +69,7 @@ def test_soak_with_an_engine_killed_and_the_router_restarted_loses_nothing(
 def test_soak_over_two_router_replicas_with_one_restarted_loses_nothing(tmp_path: Path) -> None:
     """Two replicas behind the front, an engine killed and replica 0 restarted (its lease
     handed over, its trees moved and back): nothing lost, both replicas' overhead counted."""
-    out = subprocess.run(
-        [sys.executable, "-m", "evolving_infra", "soak", "--agents", "6", "--duration", "30",
-         "--routers", "2", "--no-pool", "--kill-engine-at", "8", "--restart-router-at", "15",
-         "--request-timeout", "60", "--log-dir", str(tmp_path / "logs"), "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = soak(tmp_path, "--routers", "2", "--no-pool")
     assert report["ok"] is True
     assert report["lost"] == 0
     assert report["completed"] > 0

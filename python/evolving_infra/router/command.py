@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 
 import structlog
 
@@ -18,6 +16,7 @@ from evolving_infra.ports import check_listen, listen_error
 from evolving_infra.router import config
 from evolving_infra.router.app import configure_json_logging
 from evolving_infra.router.daemon import RouterDaemon
+from evolving_infra.signals import on_stop_signals
 
 NAME = "router"
 HELP = config.HELP
@@ -49,9 +48,7 @@ async def serve(cfg: config.RouterConfig) -> int:
         else:
             stopping.append(loop.create_task(daemon.stop()))
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, on_signal)
+    on_stop_signals(on_signal)
     await daemon.wait()
     structlog.get_logger("evolving_infra.router").info("router_stopped", **_counts(daemon))
     return 0

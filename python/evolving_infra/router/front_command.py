@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 
 import structlog
 
@@ -20,6 +18,7 @@ from evolving_infra.router.config import (
 )
 from evolving_infra.router.front import Front, build_front
 from evolving_infra.router.server import serve
+from evolving_infra.signals import on_stop_signals
 
 NAME = "front"
 HELP = "one address in front of router replicas: each agent tree on one replica"
@@ -70,10 +69,7 @@ async def serve_front(args: argparse.Namespace) -> int:
     log = structlog.get_logger("evolving_infra.front")
     log.info("front_serving", host=args.host, port=args.port, routers=args.routers)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    on_stop_signals(stop.set)
     await stop.wait()
     await serving.stop(args.shutdown_timeout)
     log.info("front_stopped")

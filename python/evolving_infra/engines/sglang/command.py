@@ -22,7 +22,6 @@ import importlib.metadata
 import importlib.util
 import math
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from evolving_infra.engines.sglang.sidecar import SglangSidecar, SidecarConfig
 from evolving_infra.engines.sglang.streams import HINTS_ENDPOINT_ENV
 from evolving_infra.errors import CommandError
 from evolving_infra.ports import check_listen, free_ports
+from evolving_infra.signals import on_stop_signals
 
 log = structlog.get_logger("evolving_infra.engines.sglang")
 
@@ -213,10 +213,7 @@ async def serve(
     exits. `server_command` is the child's program (a stand-in in tests)."""
     if stop is None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
+        on_stop_signals(stop.set)
     with tempfile.TemporaryDirectory(prefix="evolving-infra-sglang-") as tmp:
         return await _serve(args, Path(tmp), server_command, stop)
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import signal
 from dataclasses import replace
 from typing import Any
 
@@ -49,6 +47,7 @@ from evolving_infra.engines.sim.publish import ZmqKvSink
 from evolving_infra.engines.sim.service import SimEngine
 from evolving_infra.errors import CommandError
 from evolving_infra.ports import check_listen, listen_error
+from evolving_infra.signals import on_stop_signals
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "engine"
@@ -304,10 +303,7 @@ async def serve(args: argparse.Namespace) -> int:
              grpc_port=grpc_port, kv_events=kv_pub.endpoint, samples=fpm.endpoint,
              l1_blocks=engine.kv.l1_capacity, l2_blocks=engine.kv.l2_capacity)  # fmt: skip
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    on_stop_signals(stop.set)
     await stop.wait()
     # What the pool did over the engine's life, for whoever reads the log after a run.
     pool = dataclasses.asdict(engine.pool.counters) if engine.pool is not None else None
