@@ -131,7 +131,7 @@ def one(routers: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def kill_replica(i: int) -> int | None:
     """SIGKILL router replica `i` (found by its command line); its pid."""
-    found = subprocess.run(["pgrep", "-f", f"--replica router-{i}"], capture_output=True,
+    found = subprocess.run(["pgrep", "-f", "--", f"--replica router-{i}"], capture_output=True,
                            text=True, check=False)  # fmt: skip
     pids = [int(p) for p in found.stdout.split()]
     for pid in pids:

@@ -1,5 +1,5 @@
-"""Router replicas coordinated through Redis (issue 29): which replica runs the planner, and the
-work each one has sent to each engine.
+"""Router replicas coordinated through Redis (issue 29): which replica runs the planner, and what
+they share: their work per engine, their planner windows, their live branches.
 
 Several routers may serve the same engines; each follows every engine's KV-event and sample
 streams itself (ZMQ fans out), so each has the whole directory. Exactly one of them may run the
@@ -11,14 +11,15 @@ an epoch below the highest it has seen (`control.StaleLeaderError`). Before it d
 a new leader fences every engine with a no-op switch at its epoch (`LivePlanner`), so a deposed
 leader's late switch cannot land after the new leader's view of the phases.
 
-The holder renews every `ttl_s / 3`. It counts itself the leader only until its last successful
-acquire or renewal plus `ttl_s` less a margin for the clocks' drift (`is_leader` reads the clock),
-so a holder whose renewals stall (Redis unreachable, a stopped event loop) steps down before
-another can take the key. A replica that stops cleanly releases the key (`release`): the next
-one takes it at its next attempt rather than after the expiry.
+The holder renews every `ttl_s / 3`; the others try every `ttl_s / 10`. The holder counts itself
+the leader only until its last successful acquire or renewal plus `ttl_s` less a margin for the
+clocks' drift (`is_leader` reads the clock), so a holder whose renewals stall (Redis unreachable,
+a stopped event loop) steps down before another can take the key. A replica that stops cleanly
+releases the key (`release`): the next one takes it at its next attempt rather than after the
+expiry.
 
 The work in flight (`LoadExchange`): each replica counts what it sent to each engine and has not
-seen finish (`loads.LoadTracker`), and its decode-KV gate what it committed. Alone, each would
+seen finish (`loads.LoadTracker`), and its decode-KV gate what it admitted. Alone, each would
 pick the engine that looks emptiest to it, and N replicas would all pick the same one. Every
 `interval` (0.1 s) each replica writes its own figures to a Redis key that expires after a few
 intervals, and reads the others' in the same round trip (one script); their sum is its tracker's
@@ -153,10 +154,12 @@ class LeaderLease:
         return held
 
     async def run(self) -> NoReturn:
-        """Attempt every `ttl_s / 3` seconds, for ever (cancel to stop; then `release`)."""
+        """Renew every `ttl_s / 3` seconds while leading, else try to take the lease every
+        `ttl_s / 10` (a dead leader's lease is taken at most that long after it expires), for
+        ever (cancel to stop; then `release`)."""
         while True:
-            await self.attempt()
-            await asyncio.sleep(self.ttl_s / 3)
+            leads = await self.attempt()
+            await asyncio.sleep(self.ttl_s / (3 if leads else 10))
 
     async def release(self) -> None:
         """Give the lease up now if this replica holds it (a clean stop)."""
