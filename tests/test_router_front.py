@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from evolving_infra import KvDirectory
 from evolving_infra.router.app import build_app
 from evolving_infra.router.branches import BranchTracker
+from evolving_infra.router.dispatcher import NoEngineError, ShuttingDownError
 from evolving_infra.router.front import Front, build_front, weight
 from evolving_infra.router.metrics import RouterMetrics
 from evolving_infra.router.tokenize import ByteTokenizer
@@ -143,6 +144,33 @@ def test_a_replica_that_goes_away_hands_its_trees_over_then_503() -> None:
         assert (await resp.json())["error"]["code"] == "no_router"
         health = await s.client.get("/health")
         assert health.status == 503
+
+    run_front(test)
+
+
+def test_a_draining_replicas_refusal_goes_to_the_next_replica() -> None:
+    """A replica that stops answers new requests 503 shutting_down (no engine saw them): the
+    front sends them on to the next replica instead of failing them; another 503 is relayed."""
+
+    async def test(s: Setup) -> None:
+        roots = [f"agent-{i}" for i in range(8)]
+        for root in roots:
+            await chat(s, {"X-Agent-Branch": root})
+        stopping = s.served_by(roots[0])[0]
+        s.dispatchers[stopping].fail = ShuttingDownError("the router is stopping")
+        for d in s.dispatchers:
+            d.seen.clear()
+        for root in roots:  # each answered 200 (`chat` checks), by the other replica
+            await chat(s, {"X-Agent-Branch": root})
+        assert all(1 - stopping in s.served_by(r) for r in roots)
+        metrics = (await (await s.client.get("/metrics")).read()).decode()
+        assert 'outcome="draining"' in metrics
+        # Any other 503 (no engine up, say) is the client's answer, passed on as it was.
+        for d in s.dispatchers:
+            d.fail = NoEngineError("no decode engine is up")
+        resp = await s.client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] != "no_router"
 
     run_front(test)
 

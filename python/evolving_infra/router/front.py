@@ -14,10 +14,12 @@ body's `agent` field is not read (the front does not parse bodies): such request
 anonymous here, and work, without the tree's affinity.
 
 Rendezvous hashing moves only the trees of a replica that goes down (each to the replica that
-ranks next for it) and moves them back when it returns. A replica that cannot be reached is
-skipped for the next in rank while nothing has been sent to the client; the health poll
-(`HEALTH_INTERVAL_S`) takes it out for everyone. With no replica left: `503 no_router` with
-`Retry-After`. A request whose replica dies mid-stream ends there, as it would without a front.
+ranks next for it) and moves them back when it returns. A replica that cannot be reached, or
+that answers `503 shutting_down` (it drains for a stop or a restart and took nothing: its answer
+says no engine saw the request), is skipped for the next in rank while nothing has been sent to
+the client; the health poll (`HEALTH_INTERVAL_S`) takes it out for everyone. With no replica
+left: `503 no_router` with `Retry-After`. A request whose replica dies mid-stream ends there, as
+it would without a front.
 
 The front's own `/health` (its view of the replicas) and `/metrics` (`evolving_front_*`); each
 replica keeps its own `/metrics` at its own address.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from evolving_infra.router import api
 from evolving_infra.router.api import ApiError
 from evolving_infra.router.branches import BranchEvent, BranchInfo, parse_branch_info
 from evolving_infra.router.metrics import CONTENT_TYPE
@@ -84,7 +88,8 @@ class Front:
         self.requests = Counter(
             "evolving_front_requests",
             "Requests passed on, by replica and outcome (answered: the replica answered, with"
-            " any status; unreachable: it could not be reached and the next was tried)",
+            " any status; unreachable: it could not be reached, draining: it answered 503"
+            " shutting_down; both: the next replica was tried)",
             ["replica", "outcome"],
             registry=r,
         )
@@ -144,9 +149,16 @@ class Front:
                     self.requests.labels(replica.url, "unreachable").inc()
                     log.warning("front_replica_unreachable", replica=replica.url, error=str(e))
                     continue
-                self.requests.labels(replica.url, "answered").inc()
-                # From here a failure ends the answer, as it would without a front.
                 async with upstream:
+                    if upstream.status == 503:
+                        refused = await upstream.read()
+                        if _draining(refused):  # taken by nobody: the next replica takes it
+                            replica.up = False
+                            self.requests.labels(replica.url, "draining").inc()
+                            continue
+                        return self._answer(upstream, refused)
+                    self.requests.labels(replica.url, "answered").inc()
+                    # From here a failure ends the answer, as it would without a front.
                     return await self._relay(request, upstream)
             finally:
                 replica.in_flight -= 1
@@ -155,6 +167,11 @@ class Front:
         return web.json_response(
             error.body(), status=503, headers={"Retry-After": str(RETRY_AFTER_S)}
         )
+
+    def _answer(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
+        """An answer already read (a 503 that was not a drain's), passed on as it was."""
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        return web.Response(status=upstream.status, body=body, headers=headers)
 
     async def _relay(
         self, request: web.Request, upstream: aiohttp.ClientResponse
@@ -207,6 +224,15 @@ class Front:
         if up != r.up:
             log.info("front_replica_up" if up else "front_replica_down", replica=r.url)
         r.up = up
+
+
+def _draining(body: bytes) -> bool:
+    """Whether a replica's 503 is its drain's `shutting_down` (OpenAI error JSON)."""
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == api.SHUTTING_DOWN
 
 
 def build_front(front: Front, *, max_body_bytes: int = 32 * 2**20) -> web.Application:
