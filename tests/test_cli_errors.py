@@ -13,6 +13,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import io
+import os
 import socket
 import subprocess
 import sys
@@ -108,6 +109,29 @@ def test_cluster_up_without_mooncake_is_one_line(tmp_path: Path) -> None:
         " pip install 'evolving-infra[pool]', or run with --no-pool"
     )
     assert not list(logs.glob("engine-*.log"))  # nothing was started
+
+
+def test_cluster_up_with_replicas_and_no_redis_server_is_one_line(tmp_path: Path) -> None:
+    """Router replicas share a Redis server: without one installed, `cluster up --routers 2`
+    says so before anything starts."""
+    logs = tmp_path / "logs"
+    out = subprocess.run(
+        [sys.executable, "-m", "evolving_infra", "cluster", "up", "--routers", "2", "--no-pool",
+         "--router-port", "0", "--log-dir", str(logs)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False,
+        env={**os.environ, "PATH": str(tmp_path)},  # no redis-server on it
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    line = error_line(out.stderr, "cluster")
+    assert "redis-server is not installed" in line
+    assert "apt-get install redis-server" in line
+    assert not list(logs.glob("*.log"))
+
+
+def test_front_given_a_replica_twice_is_one_line() -> None:
+    out = run_cli("front", "--routers", "http://127.0.0.1:1", "http://127.0.0.1:1")
+    assert out.returncode == 2, out.stderr
+    assert "each replica once" in error_line(out.stderr, "front")
 
 
 def test_cluster_up_without_mooncakes_system_libraries_is_one_line(
@@ -282,6 +306,13 @@ def test_sglang_backend_on_a_taken_port_is_one_line_before_sglang_starts(
         (["replay", str(TRACE), "--router", "localhost"],
          "argument --router: expected an http:// URL"),
         (["soak", "--duration", "abc"], "argument --duration: expected a number of seconds > 0"),
+        (["cluster", "up", "--routers", "0"], "argument --routers: expected an int >= 1, got 0"),
+        (["router", "--engines", "a:1", "b:2", "--coordination", "localhost:6379"],
+         "argument --coordination: expected a Redis URL such as redis://127.0.0.1:6379/0"),
+        (["router", "--engines", "a:1", "b:2", "--turn-cache-mib", "-1"],
+         "argument --turn-cache-mib: expected an int >= 0, got -1"),
+        (["front", "--routers", "127.0.0.1:8001"],
+         "argument --routers: a router replica is http://host:port, got '127.0.0.1:8001'"),
     ],
 )  # fmt: skip
 def test_bad_flag_values_are_one_error_line(
