@@ -110,6 +110,7 @@ class LeaderLease:
         self._clock = clock
         self.epoch = 0  # of the lease this replica holds or last held; 0: never held
         self._until = 0.0  # is_leader holds until then (this replica's clock)
+        self._failing = False  # the last attempt met a Redis error
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -143,8 +144,14 @@ class LeaderLease:
                 if epoch:
                     self.epoch, held = epoch, True
         except Exception as e:  # Redis unreachable or failing: not renewed
-            log.warning("leader_lease_failed", replica=self.replica, error=str(e))
+            if not self._failing:  # said once, not every attempt
+                log.warning("leader_lease_failed", replica=self.replica, error=str(e))
+            self._failing = True
             held = False
+        else:
+            if self._failing:
+                log.info("leader_lease_reachable", replica=self.replica)
+            self._failing = False
         # Counted from before the call: Redis's expiry started no earlier than that.
         self._until = start + self.ttl_s * (1 - DRIFT_MARGIN) if held else 0.0
         if held != was:
@@ -363,6 +370,7 @@ class SharedFeed(PlannerFeed):
         self._out: list[list[Any]] = []
         self._tokens = 0
         self._last_id: bytes | str | None = None  # of the stream: read after it
+        self._failing = False
 
     def arrival(
         self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
@@ -396,8 +404,11 @@ class SharedFeed(PlannerFeed):
                 self._out, self._tokens = [], 0
             read = await self.client.xread({self.stream: self._last_id}, count=10_000)
         except Exception as e:
-            log.warning("window_exchange_failed", replica=self.replica, error=str(e))
+            if not self._failing:  # said once, not every half second
+                log.warning("window_exchange_failed", replica=self.replica, error=str(e))
+            self._failing = True
             return False
+        self._failing = False
         now = self.clock()
         for _, entries in read:
             for entry_id, fields in entries:
