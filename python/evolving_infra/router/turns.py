@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from evolving_infra import PagedPrompt
@@ -94,9 +95,12 @@ class TurnCache:
         if isinstance(req, ChatRequest):
             turn, tokenized = self._chat(req, last)
         else:
-            text = isinstance(req.prompt, str)
-            ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-            tokenized = len(ids) if text else 0
+            ids: Sequence[int]
+            if isinstance(req.prompt, str):
+                ids = self.tokenizer.encode(req.prompt)
+                tokenized = len(ids)
+            else:  # token ids, already checked: hashed as they are
+                ids, tokenized = req.prompt, 0
             turn = _Turn((), (), PagedPrompt(ids, self.page_size, _prompt(last)))
         if branch is not None:
             self._put(branch, turn)
