@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import redis
-
 from evolving_infra.ports import free_ports
+from evolving_infra.router.replicas import redis_answers, redis_server_command
 
 
 @dataclass
@@ -35,21 +34,16 @@ def redis_server() -> Iterator[RedisServer]:
     binary = shutil.which("redis-server")
     assert binary is not None, "redis-server not found: make test installs it (apt-get)"
     [port] = free_ports(1)
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        redis_server_command(binary, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     server = RedisServer(port, process)
     try:
         deadline = time.monotonic() + 10
-        client = redis.Redis(port=port)
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert process.poll() is None, f"redis-server exited with {process.returncode}"
-                assert time.monotonic() < deadline, "redis-server did not answer in 10 s"
-                time.sleep(0.05)
-        client.close()
+        while not redis_answers(port):
+            assert process.poll() is None, f"redis-server exited with {process.returncode}"
+            assert time.monotonic() < deadline, "redis-server did not answer in 10 s"
+            time.sleep(0.05)
         yield server
     finally:
         if process.poll() is None:

@@ -176,7 +176,7 @@ def test_paged_prompt_refuses_bad_ids_and_pages() -> None:
     with pytest.raises(TypeError):
         PagedPrompt("abc", PAGE)  # type: ignore[arg-type]
     p = PagedPrompt(list(range(40)), PAGE)
-    assert (len(p), p.page_size, p.ids(3), p.ids(), p.reused) == (
+    assert (len(p), p.page_size, p[:3], list(p), p.reused) == (
         40,
         PAGE,
         [0, 1, 2],

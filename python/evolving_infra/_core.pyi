@@ -77,8 +77,6 @@ class PagedPrompt(Sequence[int]):
     def __iter__(self) -> Iterator[int]: ...
     def hashes(self) -> list[int]:
         """The block hash of every full page (as `block_hashes`)."""
-    def ids(self, end: int | None = None) -> list[int]:
-        """The first `end` token ids (all of them when None)."""
     @property
     def reused(self) -> int:
         """Tokens this prompt shares with `after`, from the start (0 without it)."""

@@ -22,11 +22,9 @@ Each process logs to `--log-dir` (JSON lines; the master's own log too).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import signal
-import socket
 import sys
 import time
 import urllib.error
@@ -55,6 +53,7 @@ from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.errors import CommandError
 from evolving_infra.ports import LOOPBACK, PortInUseError, check_listen, free_ports, port_taken
 from evolving_infra.router.config import DEFAULT_SHUTDOWN_TIMEOUT
+from evolving_infra.router.replicas import redis_answers, redis_server_command
 from evolving_infra.timing.specs import GPUS, MODELS, Deployment
 
 NAME = "cluster"
@@ -217,15 +216,12 @@ def _start_redis(cluster: Cluster) -> tuple[Proc, str]:
     if binary is None:  # checked before anything started (`up`); gone since: say so
         raise ClusterError("redis-server not found", "apt-get install redis-server")
     [chosen] = free_ports(1)
-    proc = cluster.spawn("redis", [binary, "--port", str(chosen), "--bind", LOOPBACK,
-                                   "--save", "", "--appendonly", "no"])  # fmt: skip
+    proc = cluster.spawn("redis", redis_server_command(binary, chosen))
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         cluster.check()
-        with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, chosen), 1.0) as c:
-            c.sendall(b"PING\r\n")
-            if c.recv(16).startswith(b"+PONG"):
-                return proc, f"redis://{LOOPBACK}:{chosen}/0"
+        if redis_answers(chosen):
+            return proc, f"redis://{LOOPBACK}:{chosen}/0"
         time.sleep(0.1)
     raise ClusterError(f"redis-server not answering after {START_TIMEOUT_S:.0f} s; see {proc.log}")
 

@@ -263,6 +263,13 @@ class RouterDaemon:
             nodes=len(cfg.engines),
             lease=self.lease,
         )
+        # The planner's window as the dispatcher feeds it: with replicas, every replica's
+        # arrivals (`replicas.SharedFeed`), else this router's.
+        self.window = (
+            PlannerFeed(self.planner.slices)
+            if self.lease is None
+            else SharedFeed(self.planner.slices, self.lease.client, self.lease.replica)
+        )
         self.dispatcher = PdDispatcher(
             self.registry,
             self.directory,
@@ -270,7 +277,7 @@ class RouterDaemon:
             self.model,
             page_size=cfg.page_size,
             transport=HttpTransport(self._session),
-            observer=Observers(self._window_feed(), self.metrics.feed()),
+            observer=Observers(self.window, self.metrics.feed()),
             admission=cfg.admission,
             context_length=cfg.context_length or (known.context_length if known else None),
             max_queue_wait_s=cfg.max_queue_wait,
@@ -340,16 +347,6 @@ class RouterDaemon:
             port=self.port,
             engines={n: f"{e.info.phase}@{e.address}" for n, e in sorted(self.engines.items())},
         )
-
-    def _window_feed(self) -> PlannerFeed:
-        """The planner's window as the dispatcher feeds it: with replicas, every replica's
-        arrivals (`replicas.SharedFeed`), else this router's."""
-        assert self.planner is not None
-        if self.lease is None:
-            self.window = PlannerFeed(self.planner.slices)
-        else:
-            self.window = SharedFeed(self.planner.slices, self.lease.client, self.lease.replica)
-        return self.window
 
     def _lease(self, cfg: RouterConfig) -> LeaderLease:
         """The leader lease in the coordination service (`replicas.LeaderLease`)."""

@@ -32,7 +32,7 @@ import contextlib
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -134,7 +134,7 @@ class Front:
             return web.json_response(e.body(), status=e.status)
         key = self.root(info)
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = _passed(request.headers)
         assert self.session is not None, "the front's session starts with the app"
         for replica in self.ranked(key):
             url = f"{replica.url}{request.rel_url}"
@@ -150,14 +150,16 @@ class Front:
                     log.warning("front_replica_unreachable", replica=replica.url, error=str(e))
                     continue
                 async with upstream:
-                    if upstream.status == 503:
-                        refused = await upstream.read()
-                        if _draining(refused):  # taken by nobody: the next replica takes it
-                            replica.up = False
-                            self.requests.labels(replica.url, "draining").inc()
-                            continue
-                        return self._answer(upstream, refused)
+                    # A 503 is read whole: a drain's is taken by nobody, and the next replica
+                    # takes it; any other (no engine up...) is the client's answer.
+                    refused = await upstream.read() if upstream.status == 503 else None
+                    if refused is not None and _draining(refused):
+                        replica.up = False
+                        self.requests.labels(replica.url, "draining").inc()
+                        continue
                     self.requests.labels(replica.url, "answered").inc()
+                    if refused is not None:
+                        return self._answer(upstream, refused)
                     # From here a failure ends the answer, as it would without a front.
                     return await self._relay(request, upstream)
             finally:
@@ -170,8 +172,7 @@ class Front:
 
     def _answer(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
         """An answer already read (a 503 that was not a drain's), passed on as it was."""
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-        return web.Response(status=upstream.status, body=body, headers=headers)
+        return web.Response(status=upstream.status, body=body, headers=_passed(upstream.headers))
 
     async def _relay(
         self, request: web.Request, upstream: aiohttp.ClientResponse
@@ -179,7 +180,7 @@ class Front:
         out = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
-            headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
+            headers=_passed(upstream.headers),
         )
         if upstream.content_length is not None:
             out.content_length = upstream.content_length
@@ -224,6 +225,11 @@ class Front:
         if up != r.up:
             log.info("front_replica_up" if up else "front_replica_down", replica=r.url)
         r.up = up
+
+
+def _passed(headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers passed on, either way: all but the hop-by-hop ones."""
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
 
 
 def _draining(body: bytes) -> bool:

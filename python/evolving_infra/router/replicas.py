@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -49,6 +51,7 @@ import structlog
 
 from evolving_infra.planner.reuse import REUSE_STRIDE
 from evolving_infra.planner.slices import Slices
+from evolving_infra.ports import LOOPBACK
 from evolving_infra.router.loads import LoadTracker, NodeWork
 from evolving_infra.router.observer import PlannerFeed
 
@@ -78,6 +81,43 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def redis_server_command(binary: str, port: int) -> list[str]:
+    """The coordination service as `cluster up` and the tests run it: Debian's `redis-server`
+    at `binary`, on loopback `port`, keeping nothing on disk."""
+    return [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
+
+
+def redis_answers(port: int) -> bool:
+    """Whether a Redis server on loopback `port` answers PING now."""
+    with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), 1.0) as c:
+        c.sendall(b"PING\r\n")
+        return c.recv(16).startswith(b"+PONG")
+    return False
+
+
+class _Outage:
+    """Redis failing for one of a replica's loops: a warning `event` when it starts and an
+    `event`_ended line when it ends, not one per attempt (the loops try every 0.1-2 s)."""
+
+    def __init__(self, event: str, replica: str) -> None:
+        self.event = event
+        self.replica = replica
+        self.since: float | None = None  # when it started (monotonic); None: no outage
+
+    def failed(self, error: Exception) -> float:
+        """Seconds since the outage started (0 at its first failure)."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            log.warning(self.event, replica=self.replica, error=str(error))
+        return now - self.since
+
+    def ended(self) -> None:
+        if self.since is not None:
+            log.info(f"{self.event}_ended", replica=self.replica)
+            self.since = None
 
 
 class LeaderLease:
@@ -110,7 +150,7 @@ class LeaderLease:
         self._clock = clock
         self.epoch = 0  # of the lease this replica holds or last held; 0: never held
         self._until = 0.0  # is_leader holds until then (this replica's clock)
-        self._failing = False  # the last attempt met a Redis error
+        self._outage = _Outage("leader_lease_failed", replica)
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -144,14 +184,10 @@ class LeaderLease:
                 if epoch:
                     self.epoch, held = epoch, True
         except Exception as e:  # Redis unreachable or failing: not renewed
-            if not self._failing:  # said once, not every attempt
-                log.warning("leader_lease_failed", replica=self.replica, error=str(e))
-            self._failing = True
+            self._outage.failed(e)
             held = False
         else:
-            if self._failing:
-                log.info("leader_lease_reachable", replica=self.replica)
-            self._failing = False
+            self._outage.ended()
         # Counted from before the call: Redis's expiry started no earlier than that.
         self._until = start + self.ttl_s * (1 - DRIFT_MARGIN) if held else 0.0
         if held != was:
@@ -184,8 +220,7 @@ class LeaderLease:
         value = await self.client.get(self.key)
         if value is None:
             return None
-        text = value.decode() if isinstance(value, bytes) else str(value)
-        name, _, epoch = text.rpartition(" ")
+        name, _, epoch = _text(value).rpartition(" ")
         return name, int(epoch)
 
 
@@ -220,6 +255,7 @@ class Board:
         self.replica = replica
         self.members = f"{prefix}:{kind}:members"
         self.prefix = f"{prefix}:{kind}:of:"
+        self.outage = _Outage(f"{kind}_exchange_failed", replica)  # for its users' loops
         self._script = client.register_script(_SWAP)
 
     async def swap(self, value: bytes | str, ttl_s: float) -> list[bytes]:
@@ -271,19 +307,17 @@ class LoadExchange:
         self.on_change = on_change
         self.interval = interval
         self.peers_seen = 0  # other replicas in the last exchange
-        self._failed_since: float | None = None
 
     def figures(self) -> str:
         """This replica's work as published: {node: NodeWork.figures()} as JSON."""
         extra = self.extra() if self.extra is not None else {}
+        loads = self.tracker.loads
         out = {}
-        for node, work in self.tracker.loads.items():
-            f = work.figures()
-            f[4] += extra.get(node, 0)  # kv_used_blocks: the gate's commitments too
-            out[str(node)] = f
-        for node, blocks in extra.items():
-            if str(node) not in out:
-                out[str(node)] = [0, 0, 0, 0, blocks, 0]
+        for node in loads.keys() | extra.keys():
+            work = loads.get(node) or NodeWork()
+            if extra.get(node):  # the gate's commitments count as used KV too
+                work = dataclasses.replace(work, kv_used_blocks=work.kv_used_blocks + extra[node])
+            out[str(node)] = work.figures()
         return json.dumps(out, separators=(",", ":"))
 
     async def exchange(self) -> bool:
@@ -292,14 +326,10 @@ class LoadExchange:
         try:
             values = await self.board.swap(self.figures(), self.interval * EXPIRE_INTERVALS)
         except Exception as e:
-            now = time.monotonic()
-            if self._failed_since is None:
-                self._failed_since = now
-                log.warning("load_exchange_failed", replica=self.replica, error=str(e))
-            if now - self._failed_since > self.interval * EXPIRE_INTERVALS:
+            if self.board.outage.failed(e) > self.interval * EXPIRE_INTERVALS:
                 self._set_peers({})
             return False
-        self._failed_since = None
+        self.board.outage.ended()
         peers: dict[int, NodeWork] = {}
         for value in values:
             for node, figures in json.loads(value).items():
@@ -330,13 +360,14 @@ async def shared_tails(board: Board, own: Iterable[int], ttl_s: float) -> set[in
     """The live branches' last blocks of every replica: `own` published (as int64s), the
     others' read. Each replica's eviction hints replace the engine's previous set, so each sends
     the union: otherwise an engine would keep only the last sender's branches. A Redis error
-    gives `own` alone (logged)."""
+    gives `own` alone (logged once per outage)."""
     mine = set(own)
     try:
         values = await board.swap(np.array(sorted(mine), dtype=np.int64).tobytes(), ttl_s)
     except Exception as e:
-        log.warning("tails_exchange_failed", replica=board.replica, error=str(e))
+        board.outage.failed(e)
         return mine
+    board.outage.ended()
     for v in values:
         mine.update(int(x) for x in np.frombuffer(v, dtype=np.int64))
     return mine
@@ -370,7 +401,7 @@ class SharedFeed(PlannerFeed):
         self._out: list[list[Any]] = []
         self._tokens = 0
         self._last_id: bytes | str | None = None  # of the stream: read after it
-        self._failing = False
+        self._outage = _Outage("window_exchange_failed", replica)
 
     def arrival(
         self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
@@ -404,11 +435,9 @@ class SharedFeed(PlannerFeed):
                 self._out, self._tokens = [], 0
             read = await self.client.xread({self.stream: self._last_id}, count=10_000)
         except Exception as e:
-            if not self._failing:  # said once, not every half second
-                log.warning("window_exchange_failed", replica=self.replica, error=str(e))
-            self._failing = True
+            self._outage.failed(e)
             return False
-        self._failing = False
+        self._outage.ended()
         now = self.clock()
         for _, entries in read:
             for entry_id, fields in entries:

@@ -25,7 +25,6 @@ from typing import Protocol
 import structlog
 import tokenizers
 
-from evolving_infra import block_hashes
 from evolving_infra.router.api import ChatMessage
 
 log = structlog.get_logger(__name__)
@@ -136,13 +135,3 @@ def encode_chat(
 def assistant_ids(tokenizer: Tokenizer) -> list[int]:
     """The ids of `ASSISTANT_OPEN`, which ends every chat prompt."""
     return tokenizer.encode(ASSISTANT_OPEN)
-
-
-def encode_completion(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids of a completion prompt: text is tokenized, ids are kept as they are."""
-    return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-
-def prompt_blocks(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """The directory block hashes of every full page of the prompt (SGLang page hashes)."""
-    return block_hashes(token_ids, page_size)

@@ -98,13 +98,6 @@ impl PyPagedPrompt {
         self.inner.hashes().collect()
     }
 
-    /// The first `end` token ids (all of them when None; at most all of them).
-    #[pyo3(signature = (end = None))]
-    fn ids(&self, end: Option<usize>) -> Vec<u32> {
-        let ids = self.inner.ids();
-        ids[..end.unwrap_or(ids.len()).min(ids.len())].to_vec()
-    }
-
     #[getter]
     fn reused(&self) -> usize {
         self.inner.reused()

@@ -65,19 +65,12 @@ impl PagedPrompt {
     /// hashed for the pages both start with.
     pub fn new(token_ids: Vec<u32>, page_size: usize, after: Option<&PagedPrompt>) -> Result<Self> {
         check_page_size(page_size)?;
-        let mut digests = Vec::with_capacity(token_ids.len() / page_size);
-        let mut reused = 0;
-        if let Some(before) = after.filter(|b| b.page_size == page_size) {
-            reused = common_prefix(&before.ids, &token_ids);
-            digests.extend_from_slice(&before.digests[..reused / page_size]);
-        }
-        let start = digests.len() * page_size;
-        push_digests(&mut digests, &token_ids[start..], page_size);
-        Ok(Self {
-            page_size,
-            ids: token_ids,
-            digests,
-            reused,
+        Ok(match after.filter(|b| b.page_size == page_size) {
+            Some(before) => {
+                let reused = common_prefix(&before.ids, &token_ids);
+                Self::paged(token_ids, page_size, &before.digests, reused)
+            }
+            None => Self::paged(token_ids, page_size, &[], 0),
         })
     }
 
@@ -87,19 +80,24 @@ impl PagedPrompt {
     #[must_use]
     pub fn extend(before: &PagedPrompt, keep: usize, tail: &[u32]) -> Self {
         let keep = keep.min(before.ids.len());
-        let page_size = before.page_size;
         let mut ids = Vec::with_capacity(keep + tail.len());
         ids.extend_from_slice(&before.ids[..keep]);
         ids.extend_from_slice(tail);
+        Self::paged(ids, before.page_size, &before.digests, keep)
+    }
+
+    /// `ids`, whose first `reused` tokens are those `prior` (a prompt's page digests) hashed:
+    /// the digests of the pages wholly inside them are kept, the rest hashed from the last.
+    fn paged(ids: Vec<u32>, page_size: usize, prior: &[[u8; 32]], reused: usize) -> Self {
         let mut digests = Vec::with_capacity(ids.len() / page_size);
-        digests.extend_from_slice(&before.digests[..keep / page_size]);
+        digests.extend_from_slice(&prior[..reused / page_size]);
         let start = digests.len() * page_size;
         push_digests(&mut digests, &ids[start..], page_size);
         Self {
             page_size,
             ids,
             digests,
-            reused: keep,
+            reused,
         }
     }
 
