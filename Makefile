@@ -64,7 +64,7 @@ test: system-deps-test lint test-rust test-py ## everything CI runs: lint (clipp
 
 test-rust: system-deps-test ## cargo tests (unit, property, golden; Dynamo's indexers answer as ours)
 	cargo test --workspace --exclude kvdir-py --all-targets
-	cargo test -p kvdir-py --lib alloc  # the bindings' one Rust test: their allocator
+	cargo test -p kvdir-py --lib  # the bindings' Rust tests: their allocator, the request-body scanner
 	cargo test $(PEER)
 
 test-py: system-deps-test build $(SGLANG) ## pytest (the SGLang backend's tests included: `pytest -m sglang`)

@@ -30,13 +30,18 @@ from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.observer import PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.transport import _without_output_ids, ids_json
+from evolving_infra.router.transport import _without_output_ids, ids_bodies
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.types import Phase, token_ids_valid
 from router_helpers import PAGE, Legs, Router, run_router
 
 # -- the engine body's token ids ---------------------------------------------------------------
+
+
+def ids_json(ids: Sequence[int]) -> bytes:
+    [body] = ids_bodies(ids, b"", [b""])
+    return body
 
 
 @pytest.mark.parametrize(
@@ -50,6 +55,19 @@ def test_ids_json_is_the_json_array_of_the_ids(ids: list[int]) -> None:
     assert ids_json(tuple(ids)) == ids_json(ids)
     assert ids_json(collections.deque(ids)) == ids_json(ids)  # any sequence
     assert ids_json(PagedPrompt(ids, PAGE)) == ids_json(ids)  # a branch's kept prompt: its own
+    assert PagedPrompt(ids, PAGE).json() == ids_json(ids)
+
+
+@pytest.mark.parametrize("prompt", [False, True], ids=["list", "paged"])
+def test_ids_bodies_put_the_ids_between_head_and_each_tail(prompt: bool) -> None:
+    ids = [3, 1, 4, 1, 5, 9, 2, 6] * 5
+    seq: Sequence[int] = PagedPrompt(ids, PAGE) if prompt else ids
+    array = json.dumps(ids, separators=(",", ":")).encode()
+    tails = [b"}", b"", b', "stream": true}']
+    assert ids_bodies(seq, b'{"input_ids": ', tails) == [
+        b'{"input_ids": ' + array + t for t in tails
+    ]
+    assert ids_bodies(seq, b"", []) == []
 
 
 def test_ids_json_of_a_random_100k_token_prompt() -> None:

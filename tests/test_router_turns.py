@@ -21,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from evolving_infra import InvalidArgumentError, PagedPrompt, block_hashes
 from evolving_infra.router.api import ChatMessage, ChatRequest, CompletionRequest, SamplingParams
 from evolving_infra.router.tokenize import ByteTokenizer, HfTokenizer, Tokenizer, encode_chat
-from evolving_infra.router.turns import TurnCache
+from evolving_infra.router.turns import Encoded, TurnCache
 from router_helpers import PAGE, Router, run_router
 
 CORPUS = [
@@ -56,6 +56,16 @@ def reply(text: str) -> ChatMessage:
     return ChatMessage("assistant", text)
 
 
+def encode(
+    cache: TurnCache,
+    req: ChatRequest | CompletionRequest,
+    branch: str | None,
+    after: str | None = None,
+) -> Encoded:
+    """As the router does: against the branch's last turn (a fork's first: its parent's)."""
+    return cache.encode(req, branch, None if branch is None else cache.last(branch, after))
+
+
 def whole(tok: Tokenizer, req: ChatRequest) -> list[int]:
     return encode_chat(tok, req.messages, req.tools)
 
@@ -63,13 +73,13 @@ def whole(tok: Tokenizer, req: ChatRequest) -> list[int]:
 def test_a_turn_tokenizes_only_the_messages_it_adds(bpe: Tokenizer) -> None:
     cache = TurnCache(bpe, PAGE)
     first = chat(user("fix the failing test " * 30), tools='[{"name": "bash"}]')
-    a = cache.encode(first, "b")
+    a = encode(cache, first, "b")
     assert list(a.ids) == whole(bpe, first)
     assert a.hashes == block_hashes(a.ids, PAGE)
     assert (a.reused, a.tokenized) == (0, len(a.ids) - len(bpe.encode("<|assistant|>\n")))
     second = chat(*first.messages, reply("I will read the file first"), user("run the tests"),
                   tools=first.tools)  # fmt: skip
-    b = cache.encode(second, "b")
+    b = encode(cache, second, "b")
     assert list(b.ids) == whole(bpe, second)
     assert b.hashes == block_hashes(b.ids, PAGE)
     added = sum(len(bpe.encode(p)) for p in _parts(second)[2:])
@@ -84,10 +94,10 @@ def test_a_turn_tokenizes_only_the_messages_it_adds(bpe: Tokenizer) -> None:
 def test_an_edited_history_reuses_only_what_it_still_shares(bpe: Tokenizer) -> None:
     cache = TurnCache(bpe, PAGE)
     msgs = [user("the agent reads the file " * 10), reply("ok " * 40), user("again " * 20)]
-    before = cache.encode(chat(*msgs), "b").ids
+    before = encode(cache, chat(*msgs), "b").ids
     # A compaction: the second message is rewritten, the third kept.
     edited = chat(msgs[0], reply("summary of the work so far"), msgs[2])
-    e = cache.encode(edited, "b")
+    e = encode(cache, edited, "b")
     assert list(e.ids) == whole(bpe, edited)
     assert e.hashes == block_hashes(e.ids, PAGE)
     # What the text kept: the first message (the ids may share a few more, the header of the
@@ -99,9 +109,9 @@ def test_an_edited_history_reuses_only_what_it_still_shares(bpe: Tokenizer) -> N
 def test_a_fork_starts_from_its_parent_and_keeps_its_own(bpe: Tokenizer) -> None:
     cache = TurnCache(bpe, PAGE)
     base = [user("the agent reads the file " * 12), reply("done " * 30)]
-    cache.encode(chat(*base), "parent")
+    encode(cache, chat(*base), "parent")
     child = chat(*base, user("now the sub-task"))
-    c = cache.encode(child, "child", after="parent")
+    c = encode(cache, child, "child", after="parent")
     assert list(c.ids) == whole(bpe, child)
     assert c.tokenized == len(bpe.encode(_parts(child)[2]))
     assert len(cache) == 2
@@ -114,7 +124,7 @@ def test_no_branch_is_computed_whole_and_not_kept(bpe: Tokenizer) -> None:
     cache = TurnCache(bpe, PAGE)
     req = chat(user("hello world " * 9))
     for _ in range(2):
-        e = cache.encode(req, None)
+        e = encode(cache, req, None)
         assert e.reused == 0
         assert list(e.ids) == whole(bpe, req)
     assert len(cache) == 0
@@ -124,22 +134,22 @@ def test_no_branch_is_computed_whole_and_not_kept(bpe: Tokenizer) -> None:
 def test_token_ids_are_kept_as_sent_and_only_new_pages_hashed() -> None:
     cache = TurnCache(ByteTokenizer(), PAGE)
     ids = tuple(range(1000, 1500))
-    a = cache.encode(CompletionRequest("m", ids, SamplingParams()), "b")
+    a = encode(cache, CompletionRequest("m", ids, SamplingParams()), "b")
     assert tuple(a.ids) == ids
     assert a.ids.json() == orjson.dumps(ids)
     assert a.tokenized == 0
     assert a.hashes == block_hashes(ids, PAGE)
     longer = (*ids, *range(7, 300))
-    b = cache.encode(CompletionRequest("m", longer, SamplingParams()), "b")
+    b = encode(cache, CompletionRequest("m", longer, SamplingParams()), "b")
     assert b.reused == len(ids)
     assert b.hashes == block_hashes(longer, PAGE)
     # A different prompt on the same branch (a client's bug, or a new context): verified, so
     # its hashes are its own.
     other = (5, *longer[1:])
-    c = cache.encode(CompletionRequest("m", other, SamplingParams()), "b")
+    c = encode(cache, CompletionRequest("m", other, SamplingParams()), "b")
     assert c.reused == 0
     assert c.hashes == block_hashes(other, PAGE)
-    text = cache.encode(CompletionRequest("m", "hello " * 40, SamplingParams()), "b")
+    text = encode(cache, CompletionRequest("m", "hello " * 40, SamplingParams()), "b")
     assert text.tokenized == len(text.ids) == 240
     assert text.reused == 0
 
@@ -147,19 +157,19 @@ def test_token_ids_are_kept_as_sent_and_only_new_pages_hashed() -> None:
 def test_the_budget_drops_the_least_recently_used_branch(bpe: Tokenizer) -> None:
     probe = TurnCache(bpe, PAGE)  # how big one kept prompt is
     req = chat(user("the agent reads the file " * 20))
-    probe.encode(req, "x")
+    encode(probe, req, "x")
     size = probe.nbytes
     cache = TurnCache(bpe, PAGE, budget_bytes=2 * size)
-    cache.encode(req, "a")
-    cache.encode(req, "b")
-    cache.encode(req, "a")  # a is now the most recent
-    cache.encode(req, "c")
+    encode(cache, req, "a")
+    encode(cache, req, "b")
+    encode(cache, req, "a")  # a is now the most recent
+    encode(cache, req, "c")
     assert len(cache) == 2
     assert cache.nbytes == 2 * size
-    assert cache.encode(req, "a").reused > 0  # kept
-    assert cache.encode(req, "b").reused == 0  # dropped
+    assert encode(cache, req, "a").reused > 0  # kept
+    assert encode(cache, req, "b").reused == 0  # dropped
     tiny = TurnCache(bpe, PAGE, budget_bytes=size - 1)
-    tiny.encode(req, "a")
+    encode(tiny, req, "a")
     assert len(tiny) == 0
     assert tiny.nbytes == 0
     with pytest.raises(ValueError, match="page_size"):
@@ -209,7 +219,7 @@ def test_any_sequence_of_turns_gives_whole_tokenizations(
     for keep, added in turns:
         history = history[: max(len(history) - keep, 0)] + added
         req = chat(*history)
-        e = cache.encode(req, "b")
+        e = encode(cache, req, "b")
         assert list(e.ids) == whole(bpe, req)
         assert e.hashes == block_hashes(e.ids, PAGE)
 

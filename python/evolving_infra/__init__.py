@@ -15,6 +15,7 @@ from evolving_infra._core import (
     KvDirectory,
     KvDirectoryError,
     PagedPrompt,
+    PageHashes,
     ParentMismatchError,
     PrefixMatch,
     UnknownBranchError,
@@ -23,8 +24,9 @@ from evolving_infra._core import (
     block_hashes,
 )
 
-# A sequence of its ids to `isinstance` too (the router passes it where token ids go).
+# Sequences to `isinstance` too (the router passes them where token ids and hashes go).
 Sequence.register(PagedPrompt)
+Sequence.register(PageHashes)
 
 __all__ = [
     "BranchExistsError",
@@ -34,6 +36,7 @@ __all__ = [
     "InvalidArgumentError",
     "KvDirectory",
     "KvDirectoryError",
+    "PageHashes",
     "PagedPrompt",
     "ParentMismatchError",
     "PrefixMatch",

@@ -21,6 +21,7 @@ __all__ = [
     "InvalidArgumentError",
     "KvDirectory",
     "KvDirectoryError",
+    "PageHashes",
     "PagedPrompt",
     "ParentMismatchError",
     "PrefixMatch",
@@ -29,6 +30,8 @@ __all__ = [
     "__version__",
     "_fast_int_layout",
     "block_hashes",
+    "common_prefix",
+    "message_spans",
     "token_ids_valid",
     "trace_chain",
 ]
@@ -53,6 +56,19 @@ def trace_chain(seed: bytes, ids: npt.NDArray[np.int64], person: bytes) -> list[
     """Trace block hashes chained from `seed` (`workloads.blocks.chain_from`): blake2b with an
     8-byte digest and `person` over the previous digest and each id's 8 little-endian bytes."""
 
+def message_spans(
+    body: bytes, resume: tuple[int, int] | None = None
+) -> tuple[int, int, list[tuple[int, int]]] | None:
+    """The top-level `"messages"` array of a chat request body: `(open, close, spans)`, the
+    offsets of its `[` and `]` and the `[start, end)` span of each element; or None where the
+    body is not an object with exactly one such array, or it cannot be read without decoding
+    (a key with an escape). With `resume=(open, at)`, the body is known to hold, up to `at`,
+    the array opened at `open` through one of its elements, which ends at `at`: the scan starts
+    there and returns only the elements after it. Nothing is validated: decode the body too."""
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """Bytes `a` and `b` start with in common."""
+
 @final
 class PagedPrompt(Sequence[int]):
     """A prompt's token ids and the digests of its full pages (SGLang 0.5.23 page hashes),
@@ -70,13 +86,16 @@ class PagedPrompt(Sequence[int]):
         hashed, and no id is compared (the caller verified what it keeps)."""
     def json(self) -> bytes:
         """The ids as the text of a JSON array without spaces."""
+    def bodies(self, head: bytes, tails: Sequence[bytes]) -> list[bytes]:
+        """`head`, the ids' JSON (as `json`), then each tail: one bytes object per tail, the
+        ids' text written once."""
     @overload
     def __getitem__(self, index: int, /) -> int: ...
     @overload
     def __getitem__(self, index: slice, /) -> list[int]: ...
     def __iter__(self) -> Iterator[int]: ...
-    def hashes(self) -> list[int]:
-        """The block hash of every full page (as `block_hashes`)."""
+    def hashes(self) -> PageHashes:
+        """The block hash of every full page (as `block_hashes`), kept native."""
     @property
     def reused(self) -> int:
         """Tokens this prompt shares with `after`, from the start (0 without it)."""
@@ -86,6 +105,19 @@ class PagedPrompt(Sequence[int]):
     def nbytes(self) -> int:
         """Bytes held."""
     def __len__(self) -> int: ...
+
+@final
+class PageHashes(Sequence[int]):
+    """A prompt's page hashes (`PagedPrompt.hashes`): an immutable sequence of ints that the
+    directory's calls read without converting them; equal to any sequence of the same ints."""
+
+    @overload
+    def __getitem__(self, index: int, /) -> int: ...
+    @overload
+    def __getitem__(self, index: slice, /) -> list[int]: ...
+    def __iter__(self) -> Iterator[int]: ...
+    def __len__(self) -> int: ...
+    def __eq__(self, other: object, /) -> bool: ...
 
 class KvDirectoryError(ValueError):
     """Base of every error the directory raises; the directory is unchanged when it is raised."""

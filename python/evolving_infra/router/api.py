@@ -150,6 +150,9 @@ class ChatRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     user: str | None = None
     agent: Mapping[str, Any] | None = None  # the raw `agent` field; `branches` validates it
+    # Leading messages not in `messages`: byte for byte those of the branch's last request,
+    # which the router did not decode again (`bodies.decode_chat`); `messages` are the rest.
+    kept: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,26 +316,28 @@ def _message(value: object, i: int) -> ChatMessage:
     )
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    """A `/v1/chat/completions` body (already JSON-decoded) as a record, or a 400 `ApiError`."""
+def parse_chat(body: Any, kept: int = 0) -> ChatRequest:
+    """A `/v1/chat/completions` body (already JSON-decoded) as a record, or a 400 `ApiError`.
+    `kept`: the body's `messages` leave out that many leading messages, checked already."""
     body, model, stream, include_usage, agent = _common(body)
     messages = body.get("messages")
     if messages is None:
         raise invalid("'messages' is required", "messages", MISSING_FIELD)
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, list) or not (messages or kept):
         raise invalid("'messages' must be a non-empty array", "messages")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid(f"'tools' must be an array, got {_type_name(tools)}", "tools")
     return ChatRequest(
         model=model,
-        messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+        messages=tuple(_message(m, i) for i, m in enumerate(messages, kept)),
         sampling=parse_sampling(body),
         tools=json.dumps(tools, sort_keys=True) if tools else None,
         stream=stream,
         include_usage=include_usage,
         user=_get_str(body, "user"),
         agent=agent,
+        kept=kept,
     )
 
 

@@ -24,19 +24,19 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
-import orjson
 import structlog
 from aiohttp import web
 
 from evolving_infra import logs
-from evolving_infra.router import api
+from evolving_infra.router import api, bodies
 from evolving_infra.router.api import ApiError, ChatRequest, CompletionRequest, Usage
 from evolving_infra.router.auth import ApiKeys
+from evolving_infra.router.bodies import KeptBody
 from evolving_infra.router.branches import (
     BranchError,
     BranchEvent,
@@ -63,7 +63,7 @@ from evolving_infra.router.metrics import CONTENT_TYPE, RouterMetrics
 from evolving_infra.router.server import ON_BAD_HTTP
 from evolving_infra.router.sessions import session_branch
 from evolving_infra.router.tokenize import Tokenizer
-from evolving_infra.router.turns import DEFAULT_BUDGET_MIB, Encoded, TurnCache
+from evolving_infra.router.turns import DEFAULT_BUDGET_MIB, Encoded, Turn, TurnCache
 
 log = structlog.get_logger(__name__)
 
@@ -139,6 +139,11 @@ def _dispatch_error(e: DispatchError) -> ApiError:
     if isinstance(e, EngineRejectedError):
         return ApiError(400, e.reason, code=api.ENGINE_REJECTED)
     return ApiError(e.status, f"engine failed: {e.reason}", code=api.ENGINE_FAILED)
+
+
+def _branch(headers: Mapping[str, str], agent: Mapping[str, Any] | None) -> BranchInfo | None:
+    """The router's own branch API first; else the session headers harnesses already send."""
+    return parse_branch_info(headers, agent) or session_branch(headers)
 
 
 def _route_label(request: web.Request) -> str:
@@ -291,7 +296,7 @@ class FrontEnd:
 
     # -- completions ---------------------------------------------------------------------------
 
-    async def _read_json(self, request: web.Request) -> Any:
+    async def _read_body(self, request: web.Request) -> bytes:
         if request.content_type != "application/json":
             raise ApiError(
                 400,
@@ -302,15 +307,9 @@ class FrontEnd:
         if request.content_length is not None and request.content_length > limit:
             raise _too_large(request)  # before reading a byte of it
         try:
-            raw = await request.read()
+            return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(request) from None
-        try:
-            # orjson: ~3x json's speed on a prompt of ids; it refuses NaN and Infinity as JSON
-            # does not have them, and reads an int past 64 bits as a float (refused later).
-            return orjson.loads(raw)
-        except ValueError as e:  # JSONDecodeError, also for invalid UTF-8 and deep nesting
-            raise ApiError(400, f"malformed JSON body: {e}", code=api.INVALID_JSON) from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "chat")
@@ -322,12 +321,12 @@ class FrontEnd:
         self, request: web.Request, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse:
         arrival = self.clock()
-        body = await self._read_json(request)
-        req = api.parse_chat(body) if kind == "chat" else api.parse_completion(body)
-        # NOTE: a long prompt is megabytes in each form (JSON value, record, token ids): each is
-        # dropped once the next exists, so a request in flight holds its ids once, not four
-        # times (the router's memory scales with the requests in flight).
-        del body
+        raw = await self._read_body(request)
+        req, info, last, kept = self._parse(kind, raw, request.headers)
+        # NOTE: a long prompt is megabytes in each form (JSON bytes, record, token ids): each is
+        # dropped once the next exists (the branch's turn keeps a chat body, once), so a request
+        # in flight holds its ids once (the router's memory scales with the requests in flight).
+        del raw
         if self.models and req.model not in self.models:
             raise ApiError(
                 404,
@@ -335,9 +334,7 @@ class FrontEnd:
                 code=api.UNKNOWN_MODEL,
                 param="model",
             )
-        # The router's own branch API first; else the session headers harnesses already send.
-        info = parse_branch_info(request.headers, req.agent) or session_branch(request.headers)
-        encoded = await asyncio.to_thread(self._encode, req, info)
+        encoded = await asyncio.to_thread(self._encode, req, info, last, kept)
         ids, hashes = encoded.ids, encoded.hashes
         self.metrics.prompt_tokens_tokenized.inc(encoded.tokenized)
         self.metrics.prompt_tokens_reused.inc(encoded.reused)
@@ -355,7 +352,7 @@ class FrontEnd:
                 kind=kind,
                 model=req.model,
                 token_ids=ids,
-                block_hashes=tuple(hashes),
+                block_hashes=hashes,
                 page_size=self.page_size,
                 branch=lease.key,
                 branch_info=info,
@@ -411,13 +408,43 @@ class FrontEnd:
             log.info("branch ended", branch=lease.info.branch, by="event")
         self.tracker.finish(lease)
 
-    def _encode(self, req: ChatRequest | CompletionRequest, info: BranchInfo | None) -> Encoded:
+    def _parse(
+        self, kind: Literal["chat", "completion"], raw: bytes, headers: Mapping[str, str]
+    ) -> tuple[ChatRequest | CompletionRequest, BranchInfo | None, Turn | None, KeptBody | None]:
+        """The request, its branch, the branch's last turn (a fork's first: its parent's) and
+        the chat body to keep. A chat body is read against that turn's (`TurnCache.read_chat`):
+        the messages it repeats byte for byte are not decoded again."""
+        if kind == "completion":
+            req: ChatRequest | CompletionRequest = api.parse_completion(bodies.loads(raw))
+            info = _branch(headers, req.agent)
+            return req, info, self._last(info), None
+        try:  # the branch as the headers name it, to read the body against
+            named = _branch(headers, None)
+        except ApiError:
+            named = None  # named again below, with the body's `agent`, for the error
+        last = self._last(named)
+        chat, kept = self.turns.read_chat(raw, last)
+        info = _branch(headers, chat.agent)
+        if info != named:  # the body's `agent` names another branch: read against its turn
+            last = self._last(info)
+            chat, kept = self.turns.read_chat(raw, last)
+        return chat, info, last, kept
+
+    def _last(self, info: BranchInfo | None) -> Turn | None:
+        if info is None:
+            return None
+        return self.turns.last(info.branch, info.parent if info.event is BranchEvent.FORK else None)
+
+    def _encode(
+        self,
+        req: ChatRequest | CompletionRequest,
+        info: BranchInfo | None,
+        last: Turn | None,
+        body: KeptBody | None,
+    ) -> Encoded:
         """Token ids and page hashes, from the branch's last turn where it still holds (a fork's
         first turn: from its parent's)."""
-        if info is None:
-            return self.turns.encode(req, None)
-        parent = info.parent if info.event is BranchEvent.FORK else None
-        return self.turns.encode(req, info.branch, parent)
+        return self.turns.encode(req, None if info is None else info.branch, last, body)
 
     def _response_id(self, prepared: PreparedRequest) -> str:
         return f"{'chatcmpl' if prepared.kind == 'chat' else 'cmpl'}-{prepared.request_id}"

@@ -44,7 +44,7 @@ class PreparedRequest:
     kind: Literal["chat", "completion"]
     model: str
     token_ids: Sequence[int]
-    block_hashes: tuple[int, ...]  # one per full page of `page_size` tokens
+    block_hashes: Sequence[int]  # one per full page of `page_size` tokens (read natively)
     page_size: int
     branch: BranchKey  # the directory's key: the named branch, or the request's anonymous int
     branch_info: BranchInfo | None  # None: an anonymous request

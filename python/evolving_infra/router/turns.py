@@ -5,7 +5,7 @@ An agent re-sends its whole context every turn. At 100k tokens a Hugging Face BP
 ~100-200 ms of the router's CPU tokenizing it again and SHA-256 paging ~1 ms hashing it again,
 so without this the router's cost per request grows with the context, turn after turn.
 
-Kept per named branch (`_Turn`): a chat prompt's rendered parts (the tools, then each message:
+Kept per named branch (`Turn`): a chat prompt's rendered parts (the tools, then each message:
 `tokenize.render_parts`), the token count at the end of each part, and the prompt's
 `PagedPrompt` (its ids and page digests). A new turn on the branch:
 
@@ -21,10 +21,16 @@ then `PagedPrompt(ids, page_size, after=kept)` compares the ids with the kept pr
 hashes only the pages past their common prefix. A fork's first turn starts from its parent's
 kept prompt; a compaction, whose context diverges early, reuses what it still shares.
 
-Memory: ~10 bytes a token (ids 4, page digests 2 at 16-token pages, the chat text ~4), bounded
-by `budget_bytes` with the least recently used branch dropped first; an ended branch's entry is
-dropped (`drop`). `encode` runs in worker threads (`asyncio.to_thread`): one lock guards the
-entries, and the tokenizing and hashing run outside it.
+A chat body is not decoded whole either (`read_chat`, `bodies.decode_chat`): the branch's last
+body is kept as received, and the messages the new body writes with the same bytes are neither
+decoded nor compared again: their parts are the kept ones.
+
+Memory: ~14 bytes a token (ids 4, page digests 2 at 16-token pages, the chat text ~4, the chat
+body as received ~4), bounded by `budget_bytes` with the least recently used branch dropped
+first; an ended branch's entry is dropped (`drop`). `encode` runs in worker threads
+(`asyncio.to_thread`): one lock guards the entries, and the tokenizing and hashing run outside
+it. The turn a request was read against (`last`) is handed to `encode` with it, so that a
+concurrent request on the branch cannot swap it in between.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from evolving_infra import PagedPrompt
-from evolving_infra.router.api import ChatRequest, CompletionRequest
+from evolving_infra import PagedPrompt, PageHashes
+from evolving_infra.router.api import ChatRequest, CompletionRequest, parse_chat
+from evolving_infra.router.bodies import KeptBody, decode_chat
 from evolving_infra.router.tokenize import Tokenizer, assistant_ids, render_parts
 
 DEFAULT_BUDGET_MIB = 512
@@ -46,20 +53,25 @@ class Encoded:
     """A prompt's token ids and page hashes, and what its branch's last turn spared."""
 
     ids: PagedPrompt  # a sequence of the ids, kept as the branch's last prompt
-    hashes: list[int]
+    hashes: PageHashes  # a sequence the directory reads natively
     tokenized: int  # tokens the tokenizer produced for this request (0 for ids sent as ids)
     reused: int  # leading tokens shared with the branch's last prompt: their pages not rehashed
 
 
 @dataclass(frozen=True, slots=True)
-class _Turn:
+class Turn:
+    """A branch's last prompt."""
+
     parts: tuple[str, ...]  # a chat prompt's rendered parts; () for a completion
     ends: tuple[int, ...]  # token count at the end of each part
     prompt: PagedPrompt
+    tools: str | None = None  # a chat prompt's tools (its first part)
+    body: KeptBody | None = None  # a chat request's body as received
 
     @property
     def nbytes(self) -> int:
-        return self.prompt.nbytes + sum(len(p) for p in self.parts)
+        body = 0 if self.body is None else self.body.nbytes
+        return self.prompt.nbytes + sum(len(p) for p in self.parts) + body
 
 
 class TurnCache:
@@ -73,7 +85,7 @@ class TurnCache:
         self.tokenizer = tokenizer
         self.page_size = page_size
         self.budget_bytes = budget_bytes
-        self._turns: OrderedDict[str, _Turn] = OrderedDict()
+        self._turns: OrderedDict[str, Turn] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._assistant = tuple(assistant_ids(tokenizer))
@@ -85,15 +97,38 @@ class TurnCache:
     def __len__(self) -> int:
         return len(self._turns)
 
+    def read_chat(self, raw: bytes, last: Turn | None) -> tuple[ChatRequest, KeptBody | None]:
+        """A chat body, its messages that `last`'s body also starts with left out (counted in
+        `ChatRequest.kept`); and the body to keep. A 400 `ApiError` if it is not one."""
+        decoded = decode_chat(raw, None if last is None else last.body)
+        req = parse_chat(decoded.value, decoded.kept)
+        if decoded.kept and (last is None or last.tools != req.tools or not last.parts):
+            # New tools come before every message: nothing kept holds (a rare change).
+            decoded = decode_chat(raw, None)
+            req = parse_chat(decoded.value)
+        return req, decoded.body
+
+    def last(self, branch: str | None, after: str | None = None) -> Turn | None:
+        """`branch`'s last turn, else `after`'s (a fork's parent, when the branch has none)."""
+        with self._lock:
+            for key in (branch, after):
+                if key is not None and (turn := self._turns.get(key)) is not None:
+                    self._turns.move_to_end(key)
+                    return turn
+        return None
+
     def encode(
-        self, req: ChatRequest | CompletionRequest, branch: str | None, after: str | None = None
+        self,
+        req: ChatRequest | CompletionRequest,
+        branch: str | None,
+        last: Turn | None = None,
+        body: KeptBody | None = None,
     ) -> Encoded:
-        """The request's ids and hashes, from `branch`'s last turn where it still holds (or
-        `after`'s, a fork's parent, when the branch has none yet); kept as `branch`'s last turn.
-        No branch: computed whole and not kept."""
-        last = self._get(branch, after)
+        """The request's ids and hashes, from `last` (`last(branch, parent)`, the turn a chat
+        request was read against) where it still holds; kept as `branch`'s last turn with
+        `body` (`read_chat`'s). No branch: computed whole and not kept."""
         if isinstance(req, ChatRequest):
-            turn, tokenized = self._chat(req, last)
+            turn, tokenized = self._chat(req, last, body)
         else:
             ids: Sequence[int]
             if isinstance(req.prompt, str):
@@ -101,21 +136,25 @@ class TurnCache:
                 tokenized = len(ids)
             else:  # token ids, already checked: hashed as they are
                 ids, tokenized = req.prompt, 0
-            turn = _Turn((), (), PagedPrompt(ids, self.page_size, _prompt(last)))
+            turn = Turn((), (), PagedPrompt(ids, self.page_size, _prompt(last)))
         if branch is not None:
             self._put(branch, turn)
         prompt = turn.prompt
         # The kept prompt goes on as the request's ids (ids sent as ids too: it writes the
-        # engines' JSON ~4x faster than orjson writes the tuple, `transport.ids_json`).
+        # engines' JSON ~4x faster than orjson writes the tuple, `transport.ids_bodies`).
         return Encoded(prompt, prompt.hashes(), tokenized, prompt.reused)
 
-    def _chat(self, req: ChatRequest, last: _Turn | None) -> tuple[_Turn, int]:
+    def _chat(self, req: ChatRequest, last: Turn | None, body: KeptBody | None) -> tuple[Turn, int]:
         """The chat prompt's turn and the tokens tokenized for it: the parts `last` ends with
         the same text are taken from it, ids and page digests, the rest tokenized."""
-        parts = render_parts(req.messages, req.tools)
-        same = 0
+        if req.kept:  # the tools and the first `kept` messages: `last`'s, as `read_chat` found
+            assert last is not None, "a request with kept messages was read against a turn"
+            same = req.kept + (req.tools is not None)
+            parts = [*last.parts[:same], *render_parts(req.messages)]
+        else:
+            parts, same = render_parts(req.messages, req.tools), 0
         if last is not None:
-            for new, old in zip(parts, last.parts, strict=False):
+            for new, old in zip(parts[same:], last.parts[same:], strict=False):
                 if new != old:
                     break
                 same += 1
@@ -131,7 +170,7 @@ class TurnCache:
             prompt = PagedPrompt.extend(last.prompt, kept, tail)
         else:  # nothing kept by text: the ids may still share a page or two with the last turn
             prompt = PagedPrompt(tail, self.page_size, _prompt(last))
-        return _Turn(tuple(parts), tuple(ends), prompt), tokenized
+        return Turn(tuple(parts), tuple(ends), prompt, req.tools, body), tokenized
 
     def drop(self, branch: str) -> None:
         """Forget `branch`'s last turn (it ended)."""
@@ -140,15 +179,7 @@ class TurnCache:
             if turn is not None:
                 self._bytes -= turn.nbytes
 
-    def _get(self, branch: str | None, after: str | None) -> _Turn | None:
-        with self._lock:
-            for key in (branch, after):
-                if key is not None and (turn := self._turns.get(key)) is not None:
-                    self._turns.move_to_end(key)
-                    return turn
-        return None
-
-    def _put(self, branch: str, turn: _Turn) -> None:
+    def _put(self, branch: str, turn: Turn) -> None:
         size = turn.nbytes
         with self._lock:
             old = self._turns.pop(branch, None)
@@ -163,5 +194,5 @@ class TurnCache:
                 self._bytes -= out.nbytes
 
 
-def _prompt(turn: _Turn | None) -> PagedPrompt | None:
+def _prompt(turn: Turn | None) -> PagedPrompt | None:
     return None if turn is None else turn.prompt

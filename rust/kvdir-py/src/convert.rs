@@ -32,6 +32,9 @@ pub(crate) fn hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
 
 /// A chain of hashes from a list, a tuple, an `int64` numpy array or any iterable of ints.
 pub(crate) fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+    if let Ok(kept) = obj.cast::<crate::prompt::PyPageHashes>() {
+        return Ok(kept.get().hashes.clone());
+    }
     if let Ok(list) = obj.cast::<PyList>() {
         // NOTE: the fallback iterates safely (an item's `__index__` may change the list).
         return fastint::list(list)

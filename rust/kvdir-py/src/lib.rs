@@ -3,6 +3,7 @@
 //! `errors.rs`.
 
 mod alloc;
+mod body;
 mod convert;
 mod directory;
 mod errors;
@@ -83,9 +84,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(token_ids_valid, m)?)?;
     m.add_function(wrap_pyfunction!(trace_chain, m)?)?;
     m.add_function(wrap_pyfunction!(_fast_int_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(body::message_spans, m)?)?;
+    m.add_function(wrap_pyfunction!(body::common_prefix, m)?)?;
     m.add_class::<directory::KvDirectory>()?;
     m.add_class::<directory::PrefixMatch>()?;
     m.add_class::<prompt::PyPagedPrompt>()?;
+    m.add_class::<prompt::PyPageHashes>()?;
     errors::register(m)?;
     Ok(())
 }

@@ -62,40 +62,39 @@ impl PyPagedPrompt {
     }
 
     /// The ids as the text of a JSON array without spaces.
-    fn json<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let text = if self.inner.ids().len() > DETACH_TOKENS {
-            py.detach(|| self.inner.json())
-        } else {
-            self.inner.json()
-        };
-        PyBytes::new(py, &text)
+    fn json<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut bodies = self.write_bodies(py, b"", &[b""])?;
+        Ok(bodies.pop().expect("one body per tail"))
+    }
+
+    /// `head`, the ids' JSON, then each of `tails`: one bytes object per tail, each written in
+    /// one allocation and the ids' text produced once (the router's prefill and decode bodies
+    /// share it: at 100k ids, concatenating them in Python copied ~2 MB a request).
+    fn bodies<'py>(
+        &self,
+        py: Python<'py>,
+        head: &[u8],
+        tails: Vec<Bound<'py, PyBytes>>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let tails: Vec<&[u8]> = tails.iter().map(PyBytesMethods::as_bytes).collect();
+        self.write_bodies(py, head, &tails)
     }
 
     fn __getitem__<'py>(&self, item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        let py = item.py();
-        let ids = self.inner.ids();
-        if let Ok(slice) = item.cast::<PySlice>() {
-            let s = slice.indices(ids.len() as isize)?;
-            let picked: Vec<u32> = (0..s.slicelength)
-                .map(|i| ids[(s.start + i as isize * s.step) as usize])
-                .collect();
-            return Ok(PyList::new(py, picked)?.into_any());
-        }
-        let i: isize = item.extract()?;
-        let at = if i < 0 { i + ids.len() as isize } else { i };
-        match usize::try_from(at).ok().and_then(|a| ids.get(a)) {
-            Some(&t) => Ok(t.into_pyobject(py)?.into_any()),
-            None => Err(PyIndexError::new_err("token index out of range")),
-        }
+        index(item, self.inner.ids())
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
         PyList::new(py, self.inner.ids())?.try_iter()
     }
 
-    /// The block hash of every full page.
-    fn hashes(&self) -> Vec<i64> {
-        self.inner.hashes().collect()
+    /// The block hash of every full page, kept native: the directory reads them in place, and
+    /// Python builds an int only for the few it looks at (at 100k tokens, a list of 6,250 ints
+    /// built per request and read back by each directory call was ~0.15 ms).
+    fn hashes(&self) -> PyPageHashes {
+        PyPageHashes {
+            hashes: self.inner.hashes().collect(),
+        }
     }
 
     #[getter]
@@ -115,6 +114,98 @@ impl PyPagedPrompt {
 
     fn __len__(&self) -> usize {
         self.inner.ids().len()
+    }
+}
+
+/// A prompt's page hashes (`PagedPrompt.hashes`): an immutable sequence of ints that the
+/// directory's calls read without converting them.
+#[pyclass(frozen, sequence, name = "PageHashes", module = "evolving_infra._core")]
+pub struct PyPageHashes {
+    pub(crate) hashes: Vec<i64>,
+}
+
+#[pymethods]
+impl PyPageHashes {
+    fn __len__(&self) -> usize {
+        self.hashes.len()
+    }
+
+    fn __getitem__<'py>(&self, item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        index(item, &self.hashes)
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
+        PyList::new(py, &self.hashes)?.try_iter()
+    }
+
+    /// Equal to any sequence of the same ints (a list or tuple included), as a list would be.
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        if let Ok(o) = other.cast::<PyPageHashes>() {
+            return o.get().hashes == self.hashes;
+        }
+        if other.is_instance_of::<pyo3::types::PyString>()
+            || other.len().ok() != Some(self.hashes.len())
+        {
+            return false;
+        }
+        crate::convert::hashes(other).is_ok_and(|h| h == self.hashes)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PageHashes({:?})", self.hashes)
+    }
+}
+
+impl PyPagedPrompt {
+    /// The bodies `head` + the ids' JSON + each tail: the digits are written into the first
+    /// body (with the GIL released for a long prompt), the others copy them from it.
+    fn write_bodies<'py>(
+        &self,
+        py: Python<'py>,
+        head: &[u8],
+        tails: &[&[u8]],
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let n = self.inner.json_len();
+        let mut out: Vec<Bound<'py, PyBytes>> = Vec::with_capacity(tails.len());
+        for tail in tails {
+            let body = PyBytes::new_with(py, head.len() + n + tail.len(), |buf| {
+                let (h, rest) = buf.split_at_mut(head.len());
+                let (ids, t) = rest.split_at_mut(n);
+                h.copy_from_slice(head);
+                match out.first() {
+                    Some(first) => ids.copy_from_slice(&first.as_bytes()[head.len()..][..n]),
+                    None if self.inner.ids().len() > DETACH_TOKENS => {
+                        py.detach(|| self.inner.write_json(ids));
+                    }
+                    None => self.inner.write_json(ids),
+                }
+                t.copy_from_slice(tail);
+                Ok(())
+            })?;
+            out.push(body);
+        }
+        Ok(out)
+    }
+}
+
+/// `items[item]` as Python indexes a list: an int (negative from the end), or a slice (a list).
+fn index<'py, T>(item: &Bound<'py, PyAny>, items: &[T]) -> PyResult<Bound<'py, PyAny>>
+where
+    T: Copy + Into<i64>,
+{
+    let py = item.py();
+    if let Ok(slice) = item.cast::<PySlice>() {
+        let s = slice.indices(items.len() as isize)?;
+        let picked: Vec<i64> = (0..s.slicelength)
+            .map(|i| items[(s.start + i as isize * s.step) as usize].into())
+            .collect();
+        return Ok(PyList::new(py, picked)?.into_any());
+    }
+    let i: isize = item.extract()?;
+    let at = if i < 0 { i + items.len() as isize } else { i };
+    match usize::try_from(at).ok().and_then(|a| items.get(a)) {
+        Some(&t) => Ok(t.into().into_pyobject(py)?.into_any()),
+        None => Err(PyIndexError::new_err("index out of range")),
     }
 }
 

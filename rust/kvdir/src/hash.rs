@@ -102,15 +102,40 @@ impl PagedPrompt {
     }
 
     /// The ids as the text of a JSON array without spaces (what SGLang's `input_ids` takes).
-    /// Ids below `DIGITS_TABLE` (every vocabulary's most common ones) are copied from a table
-    /// of their digits 8 bytes at a time: ~2x `itoa` per id, and this is the router's largest
-    /// cost per request at 100k tokens once nothing is tokenized again.
     #[must_use]
     pub fn json(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.json_len()];
+        self.write_json(&mut out);
+        out
+    }
+
+    /// Bytes of `json`'s text.
+    #[must_use]
+    pub fn json_len(&self) -> usize {
         let table = digits_table();
-        // 10 digits and a comma at most per id, and room for the last 8-byte copy.
-        let mut out = vec![0u8; self.ids.len() * 11 + 2 + 8];
+        let digits: usize = self
+            .ids
+            .iter()
+            .map(|&t| match table.get(t as usize) {
+                Some(entry) => usize::from(entry[7]),
+                None => decimal_len(t),
+            })
+            .sum();
+        digits + self.ids.len().saturating_sub(1) + 2
+    }
+
+    /// Writes `json`'s text into `out`, which is `json_len` bytes long (so that a caller can
+    /// write it straight into a request body: at 100k ids a scratch buffer and its copy cost
+    /// more than the digits). Ids below `DIGITS_TABLE` (every vocabulary's most common ones)
+    /// are copied from a table of their digits 8 bytes at a time (~2x `itoa` per id), but the
+    /// last few, where 8 bytes would run past `out`, by their length.
+    ///
+    /// # Panics
+    /// When `out` is not `json_len` bytes long.
+    pub fn write_json(&self, out: &mut [u8]) {
+        let table = digits_table();
         let mut digits = itoa::Buffer::new();
+        let end = out.len();
         out[0] = b'[';
         let mut at = 1;
         for (i, &t) in self.ids.iter().enumerate() {
@@ -119,8 +144,13 @@ impl PagedPrompt {
                 at += 1;
             }
             if let Some(entry) = table.get(t as usize) {
-                out[at..at + 8].copy_from_slice(entry);
-                at += usize::from(entry[7]);
+                let len = usize::from(entry[7]);
+                if at + 8 <= end {
+                    out[at..at + 8].copy_from_slice(entry);
+                } else {
+                    out[at..at + len].copy_from_slice(&entry[..len]);
+                }
+                at += len;
             } else {
                 let text = digits.format(t).as_bytes();
                 out[at..at + text.len()].copy_from_slice(text);
@@ -128,8 +158,7 @@ impl PagedPrompt {
             }
         }
         out[at] = b']';
-        out.truncate(at + 1);
-        out
+        assert_eq!(at + 1, end, "write_json: out must be json_len bytes");
     }
 
     /// The block hash of every full page.
@@ -180,6 +209,11 @@ fn digits_table() -> &'static [[u8; 8]] {
             })
             .collect()
     })
+}
+
+/// Decimal digits of `t`.
+fn decimal_len(t: u32) -> usize {
+    t.checked_ilog10().map_or(1, |d| d as usize + 1)
 }
 
 /// Length of the common prefix of `a` and `b`, compared 64 tokens at a time.
