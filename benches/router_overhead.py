@@ -8,7 +8,9 @@ Overhead is the router's own figure (`evolving_router_overhead_seconds`: arrival
 the engines: parsing, tokenizing, hashing, the branch update, the match and the routing
 decision), read per request through the dispatcher's observer; the first turn of each agent
 (cold: nothing kept) is left out. Each context runs with the turn cache (the default) and
-without it (`--turn-cache-mib 0`), side by side in one run.
+without it (`--turn-cache-mib 0`), side by side in one run, in `--rounds` rounds that each go
+through every context (a 2-core VM's speed drifts by ~20% over minutes; interleaving puts the
+drift into every column alike).
 
 Tokenizers: `bpe`, a byte-level BPE of 32k tokens trained here on the project's own sources and
 docs (~3.6 characters a token; a real model's vocabulary is larger, and tokenizes ~1.5-2x
@@ -165,6 +167,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=10, help="warm turns per agent (default: 10)")
     p.add_argument("--added", type=int, default=600, help="tokens a turn adds (default: 600)")
     p.add_argument("--agents", type=int, default=3, help="agents per context (default: 3)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the contexts (default: 3)")
     p.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the figures here too")
@@ -172,19 +175,21 @@ def main() -> None:
     logs.configure(level="warning")  # the router logs a line per request
     text = corpus()
     tokenizer = train_bpe(text) if args.tokenizer == "bpe" else ByteTokenizer()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    seen: dict[tuple[int, str], list[float]] = {}
+    for r in range(args.rounds):
+        for context in contexts:
+            for label, mib in (("cache", 512), ("no_cache", 0)):
+                text_at = Text(text, tokenizer, args.seed + r)
+                got = asyncio.run(measure(tokenizer, text_at, context, args, mib))
+                seen.setdefault((context, label), []).extend(x * 1e3 for x in got)
     rows = []
     print(f"tokenizer {tokenizer.name}; overhead per warm turn, ms (P50 / P95)")
     print(f"{'context':>8} | {'turn cache':>17} | {'no turn cache':>17} | P50 ratio")
-    for context in (int(c) for c in args.contexts.split(",")):
+    for context in contexts:
         figures = {}
-        for label, mib in (("cache", 512), ("no_cache", 0)):
-            ms = [
-                x * 1e3
-                for x in asyncio.run(
-                    measure(tokenizer, Text(text, tokenizer, args.seed), context, args, mib)
-                )
-            ]
-            ms.sort()
+        for label in ("cache", "no_cache"):
+            ms = sorted(seen[context, label])
             figures[label] = {
                 "p50_ms": statistics.median(ms),
                 "p95_ms": ms[int(0.95 * (len(ms) - 1))],
@@ -195,6 +200,10 @@ def main() -> None:
         print(f"{context:>8} | {c['p50_ms']:7.2f} / {c['p95_ms']:7.2f} | "
               f"{n['p50_ms']:7.2f} / {n['p95_ms']:7.2f} | {ratio:.1f}x")  # fmt: skip
         rows.append({"context_tokens": context, **figures})
+    base = seen[contexts[0], "cache"]
+    for context in contexts[1:]:
+        grown = statistics.median(seen[context, "cache"]) / statistics.median(base)
+        print(f"turn cache: P50 at {context} tokens / at {contexts[0]}: {grown:.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps({"tokenizer": tokenizer.name, "rows": rows}, indent=1))
 

@@ -74,8 +74,9 @@ class PagedPrompt(Sequence[int]):
     """A prompt's token ids and the digests of its full pages (SGLang 0.5.23 page hashes),
     reusing those of `after` for the pages both prompts start with: the router keeps one per
     agent branch so that the next turn hashes only what it adds. The prefix is compared token by
-    token, not assumed. Raises `InvalidArgumentError` for an id outside [0, 2^32) or a page size
-    of 0. 4 bytes a token and 32 a page. A sequence of its ids (registered as one)."""
+    token, not assumed; the ids' decimal text (the engines' JSON) is kept and reused the same way.
+    Raises `InvalidArgumentError` for an id outside [0, 2^32) or a page size of 0. ~10 bytes a
+    token (the id, its text) and 32 a page. A sequence of its ids (registered as one)."""
 
     def __new__(
         cls, token_ids: Sequence[int], page_size: int, after: PagedPrompt | None = None

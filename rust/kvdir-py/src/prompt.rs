@@ -68,8 +68,8 @@ impl PyPagedPrompt {
     }
 
     /// `head`, the ids' JSON, then each of `tails`: one bytes object per tail, each written in
-    /// one allocation and the ids' text produced once (the router's prefill and decode bodies
-    /// share it: at 100k ids, concatenating them in Python copied ~2 MB a request).
+    /// one allocation from the kept text (the router's prefill and decode bodies: at 100k ids,
+    /// concatenating them in Python copied ~2 MB a request).
     fn bodies<'py>(
         &self,
         py: Python<'py>,
@@ -157,8 +157,7 @@ impl PyPageHashes {
 }
 
 impl PyPagedPrompt {
-    /// The bodies `head` + the ids' JSON + each tail: the digits are written into the first
-    /// body (with the GIL released for a long prompt), the others copy them from it.
+    /// The bodies `head` + the ids' JSON + each tail, each in one allocation.
     fn write_bodies<'py>(
         &self,
         py: Python<'py>,
@@ -166,25 +165,19 @@ impl PyPagedPrompt {
         tails: &[&[u8]],
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let n = self.inner.json_len();
-        let mut out: Vec<Bound<'py, PyBytes>> = Vec::with_capacity(tails.len());
-        for tail in tails {
-            let body = PyBytes::new_with(py, head.len() + n + tail.len(), |buf| {
-                let (h, rest) = buf.split_at_mut(head.len());
-                let (ids, t) = rest.split_at_mut(n);
-                h.copy_from_slice(head);
-                match out.first() {
-                    Some(first) => ids.copy_from_slice(&first.as_bytes()[head.len()..][..n]),
-                    None if self.inner.ids().len() > DETACH_TOKENS => {
-                        py.detach(|| self.inner.write_json(ids));
-                    }
-                    None => self.inner.write_json(ids),
-                }
-                t.copy_from_slice(tail);
-                Ok(())
-            })?;
-            out.push(body);
-        }
-        Ok(out)
+        tails
+            .iter()
+            .map(|tail| {
+                PyBytes::new_with(py, head.len() + n + tail.len(), |buf| {
+                    let (h, rest) = buf.split_at_mut(head.len());
+                    let (ids, t) = rest.split_at_mut(n);
+                    h.copy_from_slice(head);
+                    self.inner.write_json(ids);
+                    t.copy_from_slice(tail);
+                    Ok(())
+                })
+            })
+            .collect()
     }
 }
 
