@@ -26,10 +26,11 @@ body is kept as received, and the messages the new body writes with the same byt
 decoded nor compared again: their parts are the kept ones.
 
 Memory: ~20 bytes a token (ids 4, their decimal text for the engines' bodies ~6, page digests
-2 at 16-token pages, the chat text ~4, the chat body as received ~4), bounded by `budget_bytes` with the least recently used branch dropped
-first; an ended branch's entry is dropped (`drop`). `encode` runs in worker threads
-(`asyncio.to_thread`): one lock guards the entries, and the tokenizing and hashing run outside
-it. The turn a request was read against (`last`) is handed to `encode` with it, so that a
+2 at 16-token pages, the chat text ~4, the chat body as received ~4), bounded by `budget_bytes`
+with the least recently used branch dropped first; an ended branch's entry is dropped (`drop`).
+`encode` runs in worker threads (`asyncio.to_thread`): one lock guards the entries, and the
+tokenizing and hashing run outside it. The turn a request was read against (`last`) is handed
+to `encode` with it, so that a
 concurrent request on the branch cannot swap it in between.
 """
 

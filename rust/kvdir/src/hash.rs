@@ -169,7 +169,11 @@ impl PagedPrompt {
     /// # Panics
     /// When `out` is not `json_len` bytes long.
     pub fn write_json(&self, out: &mut [u8]) {
-        assert_eq!(out.len(), self.json_len(), "write_json: out must be json_len bytes");
+        assert_eq!(
+            out.len(),
+            self.json_len(),
+            "write_json: out must be json_len bytes"
+        );
         let end = out.len() - 1;
         out[0] = b'[';
         out[1..end].copy_from_slice(&self.text);
@@ -415,7 +419,11 @@ mod tests {
                 let expect: Vec<u32> = ids[..keep].iter().chain(tail).copied().collect();
                 assert_eq!(e.json(), whole(&expect), "keep {keep} tail {tail:?}");
                 let n = PagedPrompt::new(expect.clone(), 4, Some(&p)).unwrap();
-                assert_eq!(n.json(), whole(&expect), "new after, keep {keep} tail {tail:?}");
+                assert_eq!(
+                    n.json(),
+                    whole(&expect),
+                    "new after, keep {keep} tail {tail:?}"
+                );
             }
         }
     }
