@@ -30,8 +30,7 @@ Memory: ~20 bytes a token (ids 4, their decimal text for the engines' bodies ~6,
 with the least recently used branch dropped first; an ended branch's entry is dropped (`drop`).
 `encode` runs in worker threads (`asyncio.to_thread`): one lock guards the entries, and the
 tokenizing and hashing run outside it. The turn a request was read against (`last`) is handed
-to `encode` with it, so that a
-concurrent request on the branch cannot swap it in between.
+to `encode` with it, so that a concurrent request on the branch cannot swap it in between.
 """
 
 from __future__ import annotations
