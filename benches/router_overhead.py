@@ -96,6 +96,7 @@ class Text:
 
     def __init__(self, text: str, tokenizer: Tokenizer, seed: int) -> None:
         self.text = text
+        self.tokenizer = tokenizer
         sample = text[:200_000]
         self.chars_per_token = len(sample) / len(tokenizer.encode(sample))
         self.rng = random.Random(seed)
@@ -107,20 +108,27 @@ class Text:
 
 
 async def agent(
-    client: TestClient[Any, Any], name: str, text: Text, context: int, turns: int, added: int
+    client: TestClient[Any, Any], name: str, text: Text, context: int, args: argparse.Namespace
 ) -> None:
     messages: list[dict[str, str]] = [
         {"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": text.take(context)},
     ]
+    ids = text.tokenizer.encode(messages[1]["content"])
     headers = {"X-Agent-Branch": name}
-    for _ in range(turns + 1):
-        body = {"model": "m", "messages": messages, "max_tokens": 1}
-        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+    for _ in range(args.turns + 1):
+        if args.api == "chat":
+            body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 1}
+            resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        else:  # token ids, as the replayer sends them
+            body = {"model": "m", "prompt": ids, "max_tokens": 1}
+            resp = await client.post("/v1/completions", json=body, headers=headers)
         assert resp.status == 200, await resp.text()
         await resp.read()
-        messages.append({"role": "assistant", "content": text.take(added // 5)})
-        messages.append({"role": "user", "content": text.take(added - added // 5)})
+        reply, user = text.take(args.added // 5), text.take(args.added - args.added // 5)
+        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "user", "content": user})
+        ids = [*ids, *text.tokenizer.encode(reply), *text.tokenizer.encode(user)]
 
 
 async def measure(
@@ -155,7 +163,7 @@ async def measure(
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         for a in range(args.agents):
             seen.seen.clear()
-            await agent(client, f"a{a}", text, context, args.turns, args.added)
+            await agent(client, f"a{a}", text, context, args)
             out.extend(seen.seen[1:])  # the first turn is cold
     return out
 
@@ -169,6 +177,9 @@ def main() -> None:
     p.add_argument("--agents", type=int, default=3, help="agents per context (default: 3)")
     p.add_argument("--rounds", type=int, default=3, help="rounds over the contexts (default: 3)")
     p.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe")
+    p.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="chat messages (as harnesses send), or completions of token ids (as"
+                   " the replayer sends): default %(default)s")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the figures here too")
     args = p.parse_args()
@@ -184,7 +195,7 @@ def main() -> None:
                 got = asyncio.run(measure(tokenizer, text_at, context, args, mib))
                 seen.setdefault((context, label), []).extend(x * 1e3 for x in got)
     rows = []
-    print(f"tokenizer {tokenizer.name}; overhead per warm turn, ms (P50 / P95)")
+    print(f"tokenizer {tokenizer.name}, {args.api}; overhead per warm turn, ms (P50 / P95)")
     print(f"{'context':>8} | {'turn cache':>17} | {'no turn cache':>17} | P50 ratio")
     for context in contexts:
         figures = {}
@@ -205,7 +216,8 @@ def main() -> None:
         grown = statistics.median(seen[context, "cache"]) / statistics.median(base)
         print(f"turn cache: P50 at {context} tokens / at {contexts[0]}: {grown:.2f}x")
     if args.json is not None:
-        args.json.write_text(json.dumps({"tokenizer": tokenizer.name, "rows": rows}, indent=1))
+        out = {"tokenizer": tokenizer.name, "api": args.api, "rows": rows}
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

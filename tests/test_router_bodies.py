@@ -1,14 +1,16 @@
-"""Decode once per turn (`router.bodies`, issue 29): a chat body's messages that repeat the
-branch's last body byte for byte are not decoded again, and what is decoded is always exactly
-what decoding the whole body gives, or the same 400 when the body is not JSON.
+"""Decode once per turn (`router.bodies`, issue 29): a chat body's messages, or a completion's
+token ids, that repeat the branch's last body byte for byte are not decoded again, and what is
+decoded is always exactly what decoding the whole body gives, or the same 400 when the body is
+not JSON.
 
-The scanner (`message_spans`) is checked against `json` on generated documents; the cut
-decoding against whole decoding on turn sequences written in several JSON styles.
+The scanner (`array_spans`) is checked against `json` on generated documents; the cut decoding
+against whole decoding on turn sequences written in several JSON styles.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -16,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evolving_infra._core import common_prefix, message_spans
-from evolving_infra.router.api import ApiError, ChatRequest, parse_chat
-from evolving_infra.router.bodies import KeptBody, decode_chat, loads
+from evolving_infra._core import array_spans, block_hashes, common_prefix
+from evolving_infra.router.api import ApiError, ChatRequest, parse_chat, parse_completion
+from evolving_infra.router.bodies import KeptBody, decode_chat, decode_ids, loads
 from evolving_infra.router.tokenize import ByteTokenizer, encode_chat
 from evolving_infra.router.turns import TurnCache
 
@@ -36,7 +38,7 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "tool", "system"]), "content": TEXT},
     optional={"name": st.sampled_from(["a", "b\\c"]), "extra": VALUE},
 )
-STYLES = [
+STYLES: list[Callable[[Any], bytes]] = [
     lambda v: orjson.dumps(v),
     lambda v: json.dumps(v).encode(),
     lambda v: json.dumps(v, indent=1, ensure_ascii=False).encode(),
@@ -59,7 +61,7 @@ def test_the_scanner_finds_each_message_as_json_decodes_it(
     messages: list[Any], before: dict[str, Any], after: dict[str, Any], style: Any
 ) -> None:
     raw = style(body(messages, before, after))
-    found = message_spans(raw)
+    found = array_spans(raw, "messages")
     if any("\\" in json.dumps(k)[1:-1] for k in [*before, *after]):
         return  # an escaped key: the scanner may turn the body down (checked below)
     assert found is not None
@@ -68,7 +70,8 @@ def test_the_scanner_finds_each_message_as_json_decodes_it(
     assert raw[close : close + 1] == b"]"
     assert [json.loads(raw[s:e]) for s, e in spans] == messages
     for i in range(len(spans)):  # resumed after any element: the ones after it
-        assert message_spans(raw, (open_, spans[i][1])) == (open_, close, spans[i + 1 :])
+        assert array_spans(raw, "messages", (open_, spans[i][1])) == (open_, close, spans[i + 1 :])
+    assert array_spans(raw, "messages", spans=False) == (open_, close, [])
 
 
 @pytest.mark.parametrize(
@@ -86,7 +89,7 @@ def test_the_scanner_finds_each_message_as_json_decodes_it(
     ],
 )
 def test_the_scanner_turns_down_what_it_cannot_read_unambiguously(raw: bytes) -> None:
-    assert message_spans(raw) is None
+    assert array_spans(raw, "messages") is None
 
 
 def test_common_prefix() -> None:
@@ -209,3 +212,83 @@ def test_turns_read_from_bytes_give_whole_tokenizations(
         assert req.tools == full.tools
         e = cache.encode(req, "b", last, kept_body)
         assert list(e.ids) == encode_chat(tok, full.messages, full.tools)
+
+
+IDS = st.lists(st.integers(0, 2**32 - 1), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.integers(0, 5), IDS, st.sampled_from(STYLES)), min_size=1, max_size=6
+    )
+)
+def test_a_cut_completion_decodes_as_the_whole_body(
+    turns: list[tuple[int, list[int], Any]],
+) -> None:
+    """Ids appended, dropped from the end (an id's digits cut: `12` then `123`), restyled."""
+    ids: list[int] = []
+    last: KeptBody | None = None
+    for drop, added, style in turns:
+        ids = ids[: max(len(ids) - drop, 0)] + added
+        raw = style({"model": "m", "prompt": ids, "max_tokens": 3})
+        whole = json.loads(raw)
+        d = decode_ids(raw, last)
+        assert {k: v for k, v in d.value.items() if k != "prompt"} == {
+            k: v for k, v in whole.items() if k != "prompt"
+        }
+        assert d.value["prompt"] == ids[d.kept :]
+        if last is not None and d.kept:
+            assert json.loads(last.raw)["prompt"][: d.kept] == ids[: d.kept]
+        last = d.body
+
+
+def test_turns_of_ids_keep_what_they_share() -> None:
+    cache = TurnCache(ByteTokenizer(), PAGE)
+    ids = list(range(1000, 1400))
+    for turn, style in enumerate(s for s in STYLES for _ in range(2)):
+        raw = style({"model": "m", "prompt": ids})
+        last = cache.last("b")
+        req, kept_body = cache.read_completion(raw, last)
+        if turn % 2:  # the turn before's style, ids appended: all kept but its last id
+            assert req.kept == len(ids) - 7 - 1
+        e = cache.encode(req, "b", last, kept_body)
+        assert list(e.ids) == ids
+        assert e.hashes == block_hashes(ids, PAGE)
+        ids = [*ids, *range(7)]
+    # A chat body's turn is not read as ids (nor the other way round).
+    chat_raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "1,2,3"}]})
+    req_c, body_c = cache.read_chat(chat_raw, cache.last("b"))
+    assert req_c.kept == 0
+    cache.encode(req_c, "b", cache.last("b"), body_c)
+    req_i, _ = cache.read_completion(
+        orjson.dumps({"model": "m", "prompt": [1, 2, 3]}), cache.last("b")
+    )
+    assert req_i.kept == 0
+    assert req_i.prompt == (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b", 5, ]}", b" 5]}", b', "x"]}', b", -1]}", b", 5]", b', 5], "prompt": [1]}'],
+)
+def test_a_bad_id_tail_is_what_the_whole_body_gives(tail: bytes) -> None:
+    first = b'{"model": "m", "prompt": [1, 2, 3'
+    cache = TurnCache(ByteTokenizer(), PAGE)
+    req, body = cache.read_completion(first + b"]}", None)
+    cache.encode(req, "b", None, body)
+    raw = first + tail.replace(b"\\", b"")
+    try:
+        whole: Any = parse_completion(loads(raw))
+    except ApiError as e:
+        expect: ApiError | None = e
+    else:
+        expect = None
+    if expect is None:
+        got_req, _ = cache.read_completion(raw, cache.last("b"))
+        assert (*(1, 2, 3)[: got_req.kept], *got_req.prompt) == whole.prompt
+        return
+    with pytest.raises(ApiError) as got:
+        cache.read_completion(raw, cache.last("b"))
+    assert (got.value.status, got.value.code) == (expect.status, expect.code)
+    assert got.value.message == expect.message

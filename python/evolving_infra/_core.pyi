@@ -29,9 +29,9 @@ __all__ = [
     "UnknownParentError",
     "__version__",
     "_fast_int_layout",
+    "array_spans",
     "block_hashes",
     "common_prefix",
-    "message_spans",
     "token_ids_valid",
     "trace_chain",
 ]
@@ -56,15 +56,16 @@ def trace_chain(seed: bytes, ids: npt.NDArray[np.int64], person: bytes) -> list[
     """Trace block hashes chained from `seed` (`workloads.blocks.chain_from`): blake2b with an
     8-byte digest and `person` over the previous digest and each id's 8 little-endian bytes."""
 
-def message_spans(
-    body: bytes, resume: tuple[int, int] | None = None
+def array_spans(
+    body: bytes, key: str, resume: tuple[int, int] | None = None, spans: bool = True
 ) -> tuple[int, int, list[tuple[int, int]]] | None:
-    """The top-level `"messages"` array of a chat request body: `(open, close, spans)`, the
-    offsets of its `[` and `]` and the `[start, end)` span of each element; or None where the
-    body is not an object with exactly one such array, or it cannot be read without decoding
-    (a key with an escape). With `resume=(open, at)`, the body is known to hold, up to `at`,
-    the array opened at `open` through one of its elements, which ends at `at`: the scan starts
-    there and returns only the elements after it. Nothing is validated: decode the body too."""
+    """The top-level array under `key` of a request body: `(open, close, spans)`, the offsets of
+    its `[` and `]` and (with `spans`) the `[start, end)` span of each element; or None where
+    the body is not an object with exactly one such array, or it cannot be read without
+    decoding (a key with an escape). With `resume=(open, at)`, the body is known to hold, up to
+    `at`, the array opened at `open` through one of its elements, which ends at `at` (or the
+    comma after it begins there): the scan starts there and returns only the elements after it.
+    Nothing is validated: decode the body too."""
 
 def common_prefix(a: bytes, b: bytes) -> int:
     """Bytes `a` and `b` start with in common."""

@@ -164,6 +164,9 @@ class CompletionRequest:
     include_usage: bool = False
     user: str | None = None
     agent: Mapping[str, Any] | None = None
+    # Leading token ids not in `prompt`: byte for byte those of the branch's last request, which
+    # the router did not decode again (`bodies.decode`); `prompt` is the rest.
+    kept: int = 0
 
 
 def _type_name(value: object) -> str:
@@ -351,15 +354,19 @@ def _token_ids(value: Sequence[object]) -> tuple[int, ...]:
     return tuple(value)  # type: ignore[arg-type]  # checked just above
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, kept: int = 0) -> CompletionRequest:
     """A `/v1/completions` body as a record. One prompt per request: a string, an array of one
-    string, or an array of token ids (an array of several prompts is a batch: unsupported)."""
+    string, or an array of token ids (an array of several prompts is a batch: unsupported).
+    `kept`: the body's `prompt` is token ids that leave out that many leading ids, checked
+    already."""
     body, model, stream, include_usage, agent = _common(body)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("'prompt' is required", "prompt", MISSING_FIELD)
     raw = body["prompt"]
     prompt: str | tuple[int, ...]
-    if isinstance(raw, str):
+    if kept and isinstance(raw, list):  # the rest of an array of ids
+        prompt = _token_ids(raw)
+    elif isinstance(raw, str):
         prompt = raw
     elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
         prompt = raw[0]
@@ -382,6 +389,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         include_usage=include_usage,
         user=_get_str(body, "user"),
         agent=agent,
+        kept=kept,
     )
 
 

@@ -33,7 +33,7 @@ import structlog
 from aiohttp import web
 
 from evolving_infra import logs
-from evolving_infra.router import api, bodies
+from evolving_infra.router import api
 from evolving_infra.router.api import ApiError, ChatRequest, CompletionRequest, Usage
 from evolving_infra.router.auth import ApiKeys
 from evolving_infra.router.bodies import KeptBody
@@ -139,6 +139,9 @@ def _dispatch_error(e: DispatchError) -> ApiError:
     if isinstance(e, EngineRejectedError):
         return ApiError(400, e.reason, code=api.ENGINE_REJECTED)
     return ApiError(e.status, f"engine failed: {e.reason}", code=api.ENGINE_FAILED)
+
+
+_Request = ChatRequest | CompletionRequest
 
 
 def _branch(headers: Mapping[str, str], agent: Mapping[str, Any] | None) -> BranchInfo | None:
@@ -412,23 +415,24 @@ class FrontEnd:
         self, kind: Literal["chat", "completion"], raw: bytes, headers: Mapping[str, str]
     ) -> tuple[ChatRequest | CompletionRequest, BranchInfo | None, Turn | None, KeptBody | None]:
         """The request, its branch, the branch's last turn (a fork's first: its parent's) and
-        the chat body to keep. A chat body is read against that turn's (`TurnCache.read_chat`):
-        the messages it repeats byte for byte are not decoded again."""
-        if kind == "completion":
-            req: ChatRequest | CompletionRequest = api.parse_completion(bodies.loads(raw))
-            info = _branch(headers, req.agent)
-            return req, info, self._last(info), None
+        the body to keep. The body is read against that turn's (`TurnCache.read_chat`,
+        `read_completion`): the messages or token ids it repeats byte for byte are not decoded
+        again."""
+        read: Callable[
+            [bytes, Turn | None], tuple[ChatRequest | CompletionRequest, KeptBody | None]
+        ]
+        read = self.turns.read_chat if kind == "chat" else self.turns.read_completion
         try:  # the branch as the headers name it, to read the body against
             named = _branch(headers, None)
         except ApiError:
             named = None  # named again below, with the body's `agent`, for the error
         last = self._last(named)
-        chat, kept = self.turns.read_chat(raw, last)
-        info = _branch(headers, chat.agent)
+        req, kept = read(raw, last)
+        info = _branch(headers, req.agent)
         if info != named:  # the body's `agent` names another branch: read against its turn
             last = self._last(info)
-            chat, kept = self.turns.read_chat(raw, last)
-        return chat, info, last, kept
+            req, kept = read(raw, last)
+        return req, info, last, kept
 
     def _last(self, info: BranchInfo | None) -> Turn | None:
         if info is None:

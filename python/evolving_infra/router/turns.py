@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from evolving_infra import PagedPrompt, PageHashes
-from evolving_infra.router.api import ChatRequest, CompletionRequest, parse_chat
-from evolving_infra.router.bodies import KeptBody, decode_chat
+from evolving_infra.router.api import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from evolving_infra.router.bodies import KeptBody, decode_chat, decode_ids
 from evolving_infra.router.tokenize import Tokenizer, assistant_ids, render_parts
 
 DEFAULT_BUDGET_MIB = 512
@@ -108,6 +108,14 @@ class TurnCache:
             req = parse_chat(decoded.value)
         return req, decoded.body
 
+    def read_completion(
+        self, raw: bytes, last: Turn | None
+    ) -> tuple[CompletionRequest, KeptBody | None]:
+        """A completion body, the leading token ids of its `prompt` that `last`'s body also
+        starts with left out (counted in `CompletionRequest.kept`); and the body to keep."""
+        decoded = decode_ids(raw, None if last is None else last.body)
+        return parse_completion(decoded.value, decoded.kept), decoded.body
+
     def last(self, branch: str | None, after: str | None = None) -> Turn | None:
         """`branch`'s last turn, else `after`'s (a fork's parent, when the branch has none)."""
         with self._lock:
@@ -131,12 +139,18 @@ class TurnCache:
             turn, tokenized = self._chat(req, last, body)
         else:
             ids: Sequence[int]
-            if isinstance(req.prompt, str):
+            tokenized = 0
+            if req.kept:  # `last`'s first ids, then these (`read_completion` found them)
+                assert last is not None, "a request with kept ids was read against a turn"
+                assert not isinstance(req.prompt, str), "kept ids are followed by ids"
+                prompt = PagedPrompt.extend(last.prompt, req.kept, req.prompt)
+            elif isinstance(req.prompt, str):
                 ids = self.tokenizer.encode(req.prompt)
                 tokenized = len(ids)
+                prompt = PagedPrompt(ids, self.page_size, _prompt(last))
             else:  # token ids, already checked: hashed as they are
-                ids, tokenized = req.prompt, 0
-            turn = Turn((), (), PagedPrompt(ids, self.page_size, _prompt(last)))
+                prompt = PagedPrompt(req.prompt, self.page_size, _prompt(last))
+            turn = Turn((), (), prompt, body=body)
         if branch is not None:
             self._put(branch, turn)
         prompt = turn.prompt

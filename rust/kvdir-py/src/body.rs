@@ -1,32 +1,39 @@
-//! Where a chat request's messages lie in its JSON body, so that the router parses only the
-//! messages a turn adds (`evolving_infra.router.bodies`).
+//! Where a request's context lies in its JSON body (a chat request's `"messages"`, a
+//! completion's `"prompt"` of token ids), so that the router decodes only what a turn adds
+//! (`evolving_infra.router.bodies`).
 //!
-//! An agent re-sends its whole context every turn: at 100k tokens the body is ~400 KB of JSON,
-//! and decoding it was the largest cost left in the router once nothing was tokenized again.
-//! `message_spans` finds the byte span of each element of the top-level `"messages"` array
+//! An agent re-sends its whole context every turn: at 100k tokens the body is ~400-600 KB of
+//! JSON, and decoding it was the largest cost left in the router once nothing was tokenized
+//! again. `array_spans` finds a top-level array and the byte span of each of its elements
 //! without decoding anything (string contents are skipped with `memchr`); the router compares
 //! the new body with the branch's last one, byte for byte, and decodes only what follows the
-//! messages both share. It does not validate JSON: every byte it points at was, or is then,
+//! elements both share. It does not validate JSON: every byte it points at was, or is then,
 //! decoded by a real parser; it only has to find the boundaries of valid JSON and turn down
-//! anything it cannot read unambiguously (a key with an escape, `"messages"` twice).
+//! anything it cannot read unambiguously (a key with an escape, the key twice).
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// The top-level `"messages"` array of a JSON object: its `[` and `]`, and each element's span.
+/// A top-level array of a JSON object: its `[` and `]`, and each element's span (when asked).
 #[derive(Debug, PartialEq, Eq)]
-struct Messages {
+struct Array {
     open: usize,
     close: usize,
     spans: Vec<(usize, usize)>,
 }
 
-/// `body`'s messages, scanned from the start, or (`resume` = `(open, at)`) from `at`, the end
-/// of an element of the array opened at `open` (the body up to `at` known to hold that array's
-/// earlier elements): then only the elements after `at` are returned. None: not an object with
-/// one `"messages"` array, or not readable here.
-fn scan(body: &[u8], resume: Option<(usize, usize)>) -> Option<Messages> {
-    let mut s = Scanner { body, at: 0 };
+/// The array under `key` of the object `body`, scanned from the start, or (`resume` =
+/// `(open, at)`) from `at`, the end of an element of the array opened at `open` (the body up to
+/// `at` known to hold that array's earlier elements): then only the elements after `at` are
+/// returned. Spans are recorded only with `record`. None: not an object with one such array,
+/// or not readable here.
+fn scan(body: &[u8], key: &[u8], resume: Option<(usize, usize)>, record: bool) -> Option<Array> {
+    let mut s = Scanner {
+        body,
+        at: 0,
+        key,
+        record,
+    };
     let mut found = None;
     if let Some((open, at)) = resume {
         if open >= at || at > body.len() || body.get(open) != Some(&b'[') {
@@ -39,7 +46,7 @@ fn scan(body: &[u8], resume: Option<(usize, usize)>) -> Option<Messages> {
         s.eat(b'{')?;
         s.ws();
         if s.peek() == Some(b'}') {
-            return None; // no messages
+            return None; // no array
         }
         while !s.member(&mut found)? {}
         return s.end().then_some(found).flatten();
@@ -57,6 +64,8 @@ fn scan(body: &[u8], resume: Option<(usize, usize)>) -> Option<Messages> {
 struct Scanner<'a> {
     body: &'a [u8],
     at: usize,
+    key: &'a [u8],
+    record: bool,
 }
 
 impl Scanner<'_> {
@@ -87,19 +96,19 @@ impl Scanner<'_> {
     }
 
     /// One `"key": value` of the top-level object, then its `,` or `}` (true: that was the
-    /// `}`). The `"messages"` array is recorded in `found` (a second one: None).
-    fn member(&mut self, found: &mut Option<Messages>) -> Option<bool> {
+    /// `}`). The array under `self.key` is recorded in `found` (a second one: None).
+    fn member(&mut self, found: &mut Option<Array>) -> Option<bool> {
         self.ws();
         let key_start = self.at + 1;
         self.string()?;
         let key = &self.body[key_start..self.at - 1];
         if key.contains(&b'\\') {
-            return None; // an escaped key may spell "messages": not comparable as bytes
+            return None; // an escaped key may spell ours: not comparable as bytes
         }
         self.ws();
         self.eat(b':')?;
         self.ws();
-        if key == b"messages" {
+        if key == self.key {
             if found.is_some() || self.peek() != Some(b'[') {
                 return None;
             }
@@ -108,7 +117,7 @@ impl Scanner<'_> {
             self.ws();
             *found = Some(if self.peek() == Some(b']') {
                 self.at += 1;
-                Messages {
+                Array {
                     open,
                     close: self.at - 1,
                     spans: Vec::new(),
@@ -116,7 +125,12 @@ impl Scanner<'_> {
             } else {
                 let start = self.at;
                 self.value()?;
-                self.elements_after(open, vec![(start, self.at)])?
+                let first = if self.record {
+                    vec![(start, self.at)]
+                } else {
+                    Vec::new()
+                };
+                self.elements_after(open, first)?
             });
         } else {
             self.value()?;
@@ -130,12 +144,12 @@ impl Scanner<'_> {
     }
 
     /// The elements after the one that ended at `self.at`, to the array's `]`.
-    fn elements_after(&mut self, open: usize, mut spans: Vec<(usize, usize)>) -> Option<Messages> {
+    fn elements_after(&mut self, open: usize, mut spans: Vec<(usize, usize)>) -> Option<Array> {
         loop {
             self.ws();
             match self.next()? {
                 b']' => {
-                    return Some(Messages {
+                    return Some(Array {
                         open,
                         close: self.at - 1,
                         spans,
@@ -148,7 +162,9 @@ impl Scanner<'_> {
                         return None; // a trailing comma
                     }
                     self.value()?;
-                    spans.push((start, self.at));
+                    if self.record {
+                        spans.push((start, self.at));
+                    }
                 }
                 _ => return None,
             }
@@ -216,27 +232,31 @@ impl Scanner<'_> {
     }
 }
 
-/// `message_spans`' answer: the array's `[` and `]`, and each element's `[start, end)`.
+/// `array_spans`' answer: the array's `[` and `]`, and each element's `[start, end)`.
 type Found = (usize, usize, Vec<(usize, usize)>);
 
-/// The top-level `"messages"` array of a chat request body: `(open, close, spans)`, the
-/// offsets of its `[` and `]` and the `[start, end)` span of each element; or None where the
-/// body is not an object with exactly one such array, or it cannot be read without decoding
-/// (a key with an escape). With `resume=(open, at)`, the body is known to hold, up to `at`,
-/// the array opened at `open` through one of its elements, which ends at `at`: the scan starts
-/// there and returns only the elements after it. Nothing is validated: decode the body too.
+/// The top-level array under `key` of a request body: `(open, close, spans)`, the offsets of
+/// its `[` and `]` and (with `spans`) the `[start, end)` span of each element; or None where
+/// the body is not an object with exactly one such array, or it cannot be read without
+/// decoding (a key with an escape). With `resume=(open, at)`, the body is known to hold, up to
+/// `at`, the array opened at `open` through one of its elements, which ends at `at` (or the
+/// comma after it begins there): the scan starts there and returns only the elements after it.
+/// Nothing is validated: decode the body too.
 #[pyfunction]
-#[pyo3(signature = (body, resume = None))]
-pub fn message_spans(
+#[pyo3(signature = (body, key, resume = None, spans = true))]
+pub fn array_spans(
     py: Python<'_>,
     body: &Bound<'_, PyBytes>,
+    key: &str,
     resume: Option<(usize, usize)>,
+    spans: bool,
 ) -> Option<Found> {
     let body = body.as_bytes();
+    let key = key.as_bytes();
     let scanned = if body.len() > 1 << 16 {
-        py.detach(|| scan(body, resume))
+        py.detach(|| scan(body, key, resume, spans))
     } else {
-        scan(body, resume)
+        scan(body, key, resume, spans)
     };
     scanned.map(|m| (m.open, m.close, m.spans))
 }
@@ -259,6 +279,10 @@ pub fn common_prefix(a: &[u8], b: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn scan(body: &[u8], resume: Option<(usize, usize)>) -> Option<Array> {
+        super::scan(body, b"messages", resume, true)
+    }
 
     fn spans(body: &str) -> Option<Vec<&str>> {
         scan(body.as_bytes(), None).map(|m| m.spans.iter().map(|&(a, b)| &body[a..b]).collect())
@@ -313,6 +337,18 @@ mod tests {
             vec![]
         );
         assert_eq!(scan(body.as_bytes(), Some((all.open, 3))), None); // not after an element
+    }
+
+    #[test]
+    fn another_key_and_no_spans() {
+        let body = br#"{"messages": [1], "prompt": [5, 6 ,7], "n": 2}"#;
+        let found = super::scan(body, b"prompt", None, false).unwrap();
+        assert_eq!((found.open, found.close, found.spans), (28, 36, vec![]));
+        // Resumed after the second id, or at the comma after it: the third is what follows.
+        for at in [33, 34] {
+            let rest = super::scan(body, b"prompt", Some((28, at)), true).unwrap();
+            assert_eq!((rest.close, rest.spans), (36, vec![(35, 36)]));
+        }
     }
 
     #[test]

@@ -84,7 +84,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(token_ids_valid, m)?)?;
     m.add_function(wrap_pyfunction!(trace_chain, m)?)?;
     m.add_function(wrap_pyfunction!(_fast_int_layout, m)?)?;
-    m.add_function(wrap_pyfunction!(body::message_spans, m)?)?;
+    m.add_function(wrap_pyfunction!(body::array_spans, m)?)?;
     m.add_function(wrap_pyfunction!(body::common_prefix, m)?)?;
     m.add_class::<directory::KvDirectory>()?;
     m.add_class::<directory::PrefixMatch>()?;
