@@ -140,7 +140,7 @@ async def measure(
     ]
     model = IterationModel()
     directory = KvDirectory()
-    seen = Overheads(PlannerFeed(Slices(600.0)))
+    seen = Overheads(PlannerFeed(Slices(600.0, block_tokens=PAGE)))  # as `LivePlanner` keeps it
     dispatcher = PdDispatcher(
         EngineRegistry(engines),
         directory,

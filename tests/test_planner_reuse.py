@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from evolving_infra.planner import EvolvingPlanner, SliceStats, Split
 from evolving_infra.planner.reuse import (
@@ -72,6 +74,45 @@ def test_the_horizon_forgets() -> None:
     assert t.observe(150.0, chain(1, 64)) == Reuse()  # older than the horizon: never seen
     t.observe(150.0, chain(2, 8))  # a sweep is due (a quarter of the horizon passed)
     assert len(t) == 16 + 2  # chain 1 seen again at 150, chain 2's two sampled blocks
+
+
+def _observe_block_by_block(
+    last: dict[int, float], now: float, kept: list[int], span: int, horizon: float
+) -> Reuse:
+    """The tracker's rule, one sampled block at a time (what `observe` does by groups)."""
+    runs: list[tuple[int, float]] = []
+    for h in kept:
+        seen = last.get(h)
+        if seen is None or now - seen >= horizon:
+            break
+        gap = max(now - seen, 0.0)
+        lo, hi = sorted((runs[-1][1], gap)) if runs else (gap, gap)
+        if runs and hi <= max(lo, 1.0) * 1.25:
+            runs[-1] = (runs[-1][0] + span, runs[-1][1])
+        else:
+            runs.append((span, gap))
+    last.update(dict.fromkeys(kept, now))
+    return Reuse(tuple(runs))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(st.integers(1, 3), st.integers(0, 80), st.floats(0.0, 400.0)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_observing_by_groups_is_observing_block_by_block(
+    prompts: list[tuple[int, int, float]],
+) -> None:
+    t = ReuseTracker(BLOCK, stride=1, horizon_s=1000.0)
+    last: dict[int, float] = {}
+    now = 0.0
+    for root, n, step in prompts:
+        now += step
+        hashes = chain(root, n)
+        assert t.observe(now, hashes) == _observe_block_by_block(last, now, hashes, BLOCK, 1000.0)
 
 
 def test_bad_tracker_settings_are_refused() -> None:

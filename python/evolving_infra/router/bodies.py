@@ -48,6 +48,7 @@ class KeptBody:
     # Chat messages: the end offset (exclusive) and the start offset of each; () for ids.
     ends: tuple[int, ...] = ()
     starts: tuple[int, ...] = ()
+    ids: int = 0  # token ids in the array (a completion's prompt)
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +100,7 @@ def decode_ids(raw: bytes, last: KeptBody | None) -> Decoded:
     found = array_spans(raw, PROMPT, spans=False)
     if found is None or not isinstance(value, dict) or not isinstance(value.get(PROMPT), list):
         return Decoded(value, 0, None)
-    return Decoded(value, 0, KeptBody(raw, PROMPT, found[0], found[1]))
+    return Decoded(value, 0, KeptBody(raw, PROMPT, found[0], found[1], ids=len(value[PROMPT])))
 
 
 def _after_message(raw: bytes, last: KeptBody) -> Decoded | None:
@@ -124,8 +125,12 @@ def _after_id(raw: bytes, last: KeptBody) -> Decoded | None:
     """As `_after_message` for an array of ids: kept, each id followed by its comma inside the
     common prefix (the id's text is then whole, and equal)."""
     shared = min(common_prefix(raw, last.raw), last.close)
-    kept = last.raw.count(b",", last.open + 1, shared)
-    if kept == 0:
+    start = last.open + 1
+    if shared - start < last.close - shared:
+        kept = last.raw.count(b",", start, shared)
+    else:  # counted from the end: a next turn shares all but the last few ids
+        kept = last.ids - 1 - last.raw.count(b",", shared, last.close)
+    if kept <= 0:
         return None
     comma = last.raw.rfind(b",", last.open + 1, shared)
     found = array_spans(raw, PROMPT, (last.open, comma))
@@ -135,7 +140,9 @@ def _after_id(raw: bytes, last: KeptBody) -> Decoded | None:
     value = _cut(raw, last.open, new[0][0])
     if value is None:
         return None
-    return Decoded(value, kept, KeptBody(raw, PROMPT, last.open, close))
+    # The scanner found the array under PROMPT in an object: the cut document has it.
+    ids = kept + len(value[PROMPT])
+    return Decoded(value, kept, KeptBody(raw, PROMPT, last.open, close, ids=ids))
 
 
 def _cut(raw: bytes, open_: int, cut: int) -> Any:
