@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis.asyncio as aredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from evolving_infra import KvDirectory
@@ -19,6 +20,7 @@ from evolving_infra.router.dispatcher import NoEngineError, ShuttingDownError
 from evolving_infra.router.front import Front, build_front, weight
 from evolving_infra.router.metrics import RouterMetrics
 from evolving_infra.router.tokenize import ByteTokenizer
+from redis_helpers import redis_server
 from router_helpers import PAGE, EchoDispatcher, parse_sse
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 2}
@@ -183,3 +185,79 @@ def test_anonymous_requests_go_to_the_least_busy_replica() -> None:
         assert all(len(d.seen) >= 2 for d in s.dispatchers), [len(d.seen) for d in s.dispatchers]
 
     run_front(test)
+
+
+def test_fronts_sharing_redis_send_a_child_to_its_tree_across_fronts_and_restarts() -> None:
+    """Two fronts over the same replicas and one real Redis: a fork seen by one front sends
+    the child's later requests through the other (and through a front started afresh) to its
+    tree's replica; with Redis gone each front still answers from its own memory."""
+
+    async def main() -> None:
+        with redis_server() as server:
+            servers, dispatchers = [], []
+            for _ in range(3):
+                d = EchoDispatcher()
+                app = build_app(
+                    d, BranchTracker(KvDirectory()), ByteTokenizer(), RouterMetrics(),
+                    page_size=PAGE,
+                )  # fmt: skip
+                ts = TestServer(app, host="127.0.0.1")
+                await ts.start_server()
+                servers.append(ts)
+                dispatchers.append(d)
+            urls = [str(t.make_url("")) for t in servers]
+            clients: list[aredis.Redis] = []
+
+            def front() -> TestClient[Any, Any]:
+                clients.append(aredis.from_url(server.url))
+                front = Front(urls, coordination=clients[-1])
+                return TestClient(TestServer(build_front(front)))
+
+            def home(branch: str) -> list[int]:
+                return [
+                    i
+                    for i, d in enumerate(dispatchers)
+                    if any(r.branch_info and r.branch_info.branch == branch for r in d.seen)
+                ]
+
+            async def post(c: TestClient[Any, Any], headers: dict[str, str]) -> None:
+                resp = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
+                assert resp.status == 200, await resp.text()
+
+            roots = [f"agent-{i}" for i in range(12)]
+            async with front() as a, front() as b:
+                for root in roots:
+                    await post(a, {"X-Agent-Branch": root})
+                    await post(a, {"X-Agent-Branch": f"{root}/sub", "X-Agent-Event": "fork",
+                                   "X-Agent-Parent-Branch": root})  # fmt: skip
+                    await post(b, {"X-Agent-Branch": f"{root}/sub"})  # through the other front
+                    # A grandchild forked through the other front: still the root's tree.
+                    await post(b, {"X-Agent-Branch": f"{root}/sub/x", "X-Agent-Event": "fork",
+                                   "X-Agent-Parent-Branch": f"{root}/sub"})  # fmt: skip
+                for root in roots:
+                    [h] = home(root)
+                    assert home(f"{root}/sub") == [h]
+                    assert home(f"{root}/sub/x") == [h]
+                # Children whose own id would hash elsewhere: the map, not luck, kept them home.
+                assert any(
+                    max(range(3), key=lambda i: weight(urls[i], f"{r}/sub")) != home(r)[0]
+                    for r in roots
+                )
+            for d in dispatchers:
+                d.seen.clear()
+            async with front() as fresh:  # a front restarted: it knows nothing itself
+                for root in roots:
+                    await post(fresh, {"X-Agent-Branch": f"{root}/sub"})
+                    await post(fresh, {"X-Agent-Branch": root})
+                    assert home(f"{root}/sub") == home(root)
+                server.kill()  # Redis gone: what this front learnt still holds, all answered
+                for root in roots:
+                    await post(fresh, {"X-Agent-Branch": f"{root}/sub"})
+                    assert len(home(f"{root}/sub")) == 1
+                await post(fresh, {"X-Agent-Branch": "new-root"})
+            for t in servers:
+                await t.close()
+            for c in clients:
+                await c.aclose()
+
+    asyncio.run(main())

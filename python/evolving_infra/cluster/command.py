@@ -321,7 +321,9 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
                 for i in range(args.routers)
             ]
             cluster.replica_urls = [url for _, url in routers]
-            front_args = [*me, "front", "--routers", *cluster.replica_urls]
+            front_args = [
+                *me, "front", "--routers", *cluster.replica_urls, "--coordination", coordination
+            ]  # fmt: skip
             front, cluster.router_url = _start_listening(
                 cluster, "front", front_args, args.router_port, "the front"
             )

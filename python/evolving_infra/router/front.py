@@ -6,10 +6,15 @@ hashing (highest random weight) ranks first for the request's *root branch*, amo
 `/health` answers. The branch is read from the headers the router itself reads (`X-Agent-Branch`,
 or the session headers harnesses send, `sessions.py`); a fork's child (`X-Agent-Event: fork` with
 its parent) is mapped to its parent's root, so that a whole agent tree, parent and sub-agents,
-lives on the replica that knows its branches (a router answers a fork of a parent it does not
-know with 404). The map is in memory, bounded (`MAX_ROOTS`, oldest out): a front restarted, or
-a tree older than that, hashes a child on its own id. Requests without a branch go to the
-replica with the fewest requests in flight through this front. A branch given only in the
+lives on the replica that knows its branches. The child -> root map (`Roots`) is in memory,
+bounded (`MAX_ROOTS`, oldest out), and with `--coordination` (the replicas' Redis) also in
+Redis (`ROOT_TTL_S`), so that a restarted front, or a second front before the same replicas
+(clients spread over both, or a load balancer in front of them), sends a child to its tree's
+replica too. A branch Redis names no root for is remembered as a root for `ROOT_MISS_S` only:
+its fork may have gone through another front a moment before. Without Redis, or while it
+cannot be reached (logged once), the memory map alone answers; a child it does not know hashes
+on its own id, and its replica adopts it (`branch_adopted`). Requests without a branch go to
+the replica with the fewest requests in flight through this front. A branch given only in the
 body's `agent` field is not read (the front does not parse bodies): such requests count as
 anonymous here, and work, without the tree's affinity.
 
@@ -31,25 +36,32 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from redis.exceptions import RedisError
 
 from evolving_infra.router import api
 from evolving_infra.router.api import ApiError
 from evolving_infra.router.branches import BranchEvent, BranchInfo, parse_branch_info
 from evolving_infra.router.metrics import CONTENT_TYPE
+from evolving_infra.router.replicas import Outage
 from evolving_infra.router.sessions import session_branch
 
 log = structlog.get_logger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
 MAX_ROOTS = 1_000_000  # child -> root entries kept (~200 bytes each)
+ROOT_TTL_S = 86_400  # a child -> root entry in Redis lasts a day after its fork
+ROOT_MISS_S = 5.0  # a branch Redis names no root for is taken for a root this long
+ROOT_PREFIX = "evolving:front:root:"
 RETRY_AFTER_S = 2
 # Not passed on: hop-by-hop headers (RFC 9110 §7.6.1), and what aiohttp sets itself.
 HOP_BY_HOP = frozenset(
@@ -74,15 +86,84 @@ def weight(replica: str, key: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+class Roots:
+    """Each forked branch's root branch: in memory (bounded, oldest out), and in Redis when
+    `client` (a `redis.asyncio.Redis`) is given, shared with other fronts and restarts."""
+
+    def __init__(
+        self,
+        max_roots: int = MAX_ROOTS,
+        client: Any = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_roots = max_roots
+        self.client = client
+        self.clock = clock
+        # branch -> (root, until): until is None for what a fork taught, else when a miss in
+        # Redis ("a root") is to be asked again.
+        self._known: OrderedDict[str, tuple[str, float | None]] = OrderedDict()
+        self._outage = Outage("front_roots_unreachable", "front")
+
+    async def root(self, info: BranchInfo | None) -> str | None:
+        """The root branch of `info`'s tree, learning it from a fork (None: anonymous)."""
+        if info is None:
+            return None
+        if info.event is BranchEvent.FORK and info.parent is not None:
+            root = await self._lookup(info.parent)
+            self._remember(info.branch, root, None)
+            await self._share(info.branch, root)
+            return root
+        return await self._lookup(info.branch)
+
+    async def _lookup(self, branch: str) -> str:
+        hit = self._known.get(branch)
+        if hit is not None and (hit[1] is None or hit[1] > self.clock()):
+            self._known.move_to_end(branch)
+            return hit[0]
+        if self.client is None:
+            return branch
+        try:
+            shared = await self.client.get(ROOT_PREFIX + branch)
+        except (RedisError, OSError) as e:
+            self._outage.failed(e)
+            return branch
+        self._outage.ended()
+        if shared is None:
+            self._remember(branch, branch, self.clock() + ROOT_MISS_S)
+            return branch
+        root = bytes(shared).decode()
+        self._remember(branch, root, None)
+        return root
+
+    def _remember(self, branch: str, root: str, until: float | None) -> None:
+        self._known[branch] = (root, until)
+        self._known.move_to_end(branch)
+        while len(self._known) > self.max_roots:
+            self._known.popitem(last=False)
+
+    async def _share(self, branch: str, root: str) -> None:
+        if self.client is None:
+            return
+        try:
+            await self.client.set(ROOT_PREFIX + branch, root, ex=ROOT_TTL_S)
+        except (RedisError, OSError) as e:
+            self._outage.failed(e)
+        else:
+            self._outage.ended()
+
+
 class Front:
     """The replicas, their health, the roots of forked branches, and the proxy handler."""
 
-    def __init__(self, routers: Sequence[str], *, max_roots: int = MAX_ROOTS) -> None:
+    def __init__(
+        self, routers: Sequence[str], *, max_roots: int = MAX_ROOTS, coordination: Any = None
+    ) -> None:
+        """`coordination`: a `redis.asyncio.Redis` to share the roots in (`Roots`)."""
         if not routers:
             raise ValueError("the front needs at least one router replica")
         self.replicas = [Replica(u.rstrip("/")) for u in routers]
-        self.max_roots = max_roots
-        self._roots: OrderedDict[str, str] = OrderedDict()
+        self.roots = Roots(max_roots, coordination)
         self.session: aiohttp.ClientSession | None = None
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -103,19 +184,6 @@ class Front:
 
     # -- choosing a replica -----------------------------------------------------------------
 
-    def root(self, info: BranchInfo | None) -> str | None:
-        """The root branch of `info`'s tree, learning it from a fork (None: anonymous)."""
-        if info is None:
-            return None
-        if info.event is BranchEvent.FORK and info.parent is not None:
-            root = self._roots.get(info.parent, info.parent)
-            self._roots[info.branch] = root
-            self._roots.move_to_end(info.branch)
-            while len(self._roots) > self.max_roots:
-                self._roots.popitem(last=False)
-            return root
-        return self._roots.get(info.branch, info.branch)
-
     def ranked(self, key: str | None) -> list[Replica]:
         """The replicas to try, in order: up ones first (by weight for `key`, or fewest in
         flight without one), then those the health poll found down (it may be stale)."""
@@ -132,7 +200,7 @@ class Front:
             info = parse_branch_info(request.headers, None) or session_branch(request.headers)
         except ApiError as e:  # the router would refuse it the same way
             return web.json_response(e.body(), status=e.status)
-        key = self.root(info)
+        key = await self.roots.root(info)
         body = await request.read()
         headers = _passed(request.headers)
         assert self.session is not None, "the front's session starts with the app"

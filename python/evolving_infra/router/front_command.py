@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import redis.asyncio as aredis
 import structlog
 
 from evolving_infra.argtypes import port, positive_int, positive_seconds
@@ -15,6 +16,7 @@ from evolving_infra.router.config import (
     DEFAULT_MAX_BODY_MIB,
     DEFAULT_SHUTDOWN_TIMEOUT,
     LOG_LEVELS,
+    redis_url,
 )
 from evolving_infra.router.front import Front, build_front
 from evolving_infra.router.server import serve
@@ -29,8 +31,9 @@ DESCRIPTION = (
 Passes every request on to one of the router replicas (--routers), the one rendezvous hashing
 ranks first for the request's root branch (forks follow their parent) among those whose /health
 answers; requests without a branch go to the replica with the fewest in flight. A replica that
-cannot be reached is skipped for the next; none: 503 with Retry-After. Its own /health and
-/metrics (evolving_front_*).
+cannot be reached is skipped for the next; none: 503 with Retry-After. With --coordination
+(the replicas' Redis) the forks' roots are shared there, so that a restarted front, or a second
+one, sends a child to its tree's replica too. Its own /health and /metrics (evolving_front_*).
 
 example:
   evolving-infra front --port 8000 --routers http://127.0.0.1:8001 http://127.0.0.1:8002
@@ -50,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--routers", nargs="+", type=router_url, required=True, metavar="URL",
       help="the router replicas, http://host:port each")  # fmt: skip
+    a("--coordination", metavar="URL", type=redis_url,
+      help="the router replicas' Redis (redis://host:port/db): each fork's root is kept"
+      " there too, for a restarted front or another (default: this front's memory)")  # fmt: skip
     a("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     a("--port", type=port, default=8000, help="port (0: any free port; default: 8000)")
     a("--max-body-mib", type=positive_int, default=DEFAULT_MAX_BODY_MIB,
@@ -61,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve_front(args: argparse.Namespace) -> int:
-    app = build_front(Front(args.routers), max_body_bytes=args.max_body_mib * 2**20)
+    client = None if args.coordination is None else aredis.from_url(args.coordination)
+    front = Front(args.routers, coordination=client)
+    app = build_front(front, max_body_bytes=args.max_body_mib * 2**20)
     try:
         serving = await serve(app, args.host, args.port)
     except OSError as e:
@@ -72,6 +80,8 @@ async def serve_front(args: argparse.Namespace) -> int:
     on_stop_signals(stop.set)
     await stop.wait()
     await serving.stop(args.shutdown_timeout)
+    if client is not None:
+        await client.aclose()
     log.info("front_stopped")
     return 0
 

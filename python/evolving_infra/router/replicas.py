@@ -97,7 +97,7 @@ def redis_answers(port: int) -> bool:
     return False
 
 
-class _Outage:
+class Outage:
     """Redis failing for one of a replica's loops: a warning `event` when it starts and an
     `event`_ended line when it ends, not one per attempt (the loops try every 0.1-2 s)."""
 
@@ -150,7 +150,7 @@ class LeaderLease:
         self._clock = clock
         self.epoch = 0  # of the lease this replica holds or last held; 0: never held
         self._until = 0.0  # is_leader holds until then (this replica's clock)
-        self._outage = _Outage("leader_lease_failed", replica)
+        self._outage = Outage("leader_lease_failed", replica)
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -255,7 +255,7 @@ class Board:
         self.replica = replica
         self.members = f"{prefix}:{kind}:members"
         self.prefix = f"{prefix}:{kind}:of:"
-        self.outage = _Outage(f"{kind}_exchange_failed", replica)  # for its users' loops
+        self.outage = Outage(f"{kind}_exchange_failed", replica)  # for its users' loops
         self._script = client.register_script(_SWAP)
 
     async def swap(self, value: bytes | str, ttl_s: float) -> list[bytes]:
@@ -401,7 +401,7 @@ class SharedFeed(PlannerFeed):
         self._out: list[list[Any]] = []
         self._tokens = 0
         self._last_id: bytes | str | None = None  # of the stream: read after it
-        self._outage = _Outage("window_exchange_failed", replica)
+        self._outage = Outage("window_exchange_failed", replica)
 
     def arrival(
         self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
