@@ -92,18 +92,21 @@ def train_bpe(text: str) -> Tokenizer:
 
 
 class Text:
-    """Pieces of the corpus, `tokens` long as `tokenizer` counts, from random places."""
+    """Pieces of the corpus, `tokens` long as `tokenizer` counts, from random places. The
+    contexts and the turns' additions are drawn from two generators, so that every context size
+    gets the same additions (what a turn adds is tokenized; its text sets that cost)."""
 
     def __init__(self, text: str, tokenizer: Tokenizer, seed: int) -> None:
         self.text = text
         self.tokenizer = tokenizer
         sample = text[:200_000]
         self.chars_per_token = len(sample) / len(tokenizer.encode(sample))
-        self.rng = random.Random(seed)
+        self.contexts = random.Random(f"{seed}/contexts")
+        self.added = random.Random(f"{seed}/added")
 
-    def take(self, tokens: int) -> str:
+    def take(self, tokens: int, rng: random.Random) -> str:
         n = int(tokens * self.chars_per_token)
-        start = self.rng.randrange(0, max(len(self.text) - n, 1))
+        start = rng.randrange(0, max(len(self.text) - n, 1))
         return self.text[start : start + n]
 
 
@@ -112,7 +115,7 @@ async def agent(
 ) -> None:
     messages: list[dict[str, str]] = [
         {"role": "system", "content": "You are a coding agent."},
-        {"role": "user", "content": text.take(context)},
+        {"role": "user", "content": text.take(context, text.contexts)},
     ]
     ids = text.tokenizer.encode(messages[1]["content"])
     headers = {"X-Agent-Branch": name}
@@ -125,7 +128,8 @@ async def agent(
             resp = await client.post("/v1/completions", json=body, headers=headers)
         assert resp.status == 200, await resp.text()
         await resp.read()
-        reply, user = text.take(args.added // 5), text.take(args.added - args.added // 5)
+        reply = text.take(args.added // 5, text.added)
+        user = text.take(args.added - args.added // 5, text.added)
         messages.append({"role": "assistant", "content": reply})
         messages.append({"role": "user", "content": user})
         ids = [*ids, *text.tokenizer.encode(reply), *text.tokenizer.encode(user)]
@@ -186,6 +190,10 @@ def main() -> None:
     logs.configure(level="warning")  # the router logs a line per request
     text = corpus()
     tokenizer = train_bpe(text) if args.tokenizer == "bpe" else ByteTokenizer()
+    # A busy router's BPE word cache is full (Hugging Face `tokenizers` keeps the first 10,000
+    # words it meets and no more), so fill it first: else the contexts measured before the
+    # first long one find the turns' words cached and the others do not (~2x per word).
+    tokenizer.encode(text[:1_000_000])
     contexts = [int(c) for c in args.contexts.split(",")]
     seen: dict[tuple[int, str], list[float]] = {}
     for r in range(args.rounds):
