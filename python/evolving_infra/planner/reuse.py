@@ -99,12 +99,12 @@ class ReuseTracker:
             if seen is None or now - seen >= self.horizon_s:
                 break  # the rest of the chain is newer still (see the module docstring)
             gap = max(now - seen, 0.0)
-            tokens = span * sum(1 for _ in group)
+            tokens = span * len(list(group))
             if runs and _same_bin(runs[-1][1], gap):  # (a gap is in its own bin)
                 runs[-1] = (runs[-1][0] + tokens, runs[-1][1])
             else:
                 runs.append((tokens, gap))
-        last.update(dict.fromkeys(kept, now))
+        last.update(zip(kept, itertools.repeat(now)))
         if now - self._swept >= self.horizon_s / 4:
             self._sweep(now)
         return Reuse(tuple(runs))

@@ -386,7 +386,11 @@ class PdDispatcher:
         loads.add_prefill(p.node, place.prefill_s, place.uncached, prompt)
         loads.add_decode(d.node, place.decode_blocks, t, prompt)
         seen = self.observer
-        seen.arrival(t, place.uncached, t - place.uncached, req.block_hashes, time.monotonic())
+        # The planner's bookkeeping (its window, the reuse tracker: ~0.1 ms at 100k tokens)
+        # runs once the engines have the request, off its path; its time is taken now.
+        asyncio.get_running_loop().call_soon(
+            seen.arrival, t, place.uncached, t - place.uncached, req.block_hashes, time.monotonic()
+        )
         prefill_open = True
 
         def prefill_done(_: object = None) -> None:
