@@ -7,9 +7,12 @@ each adding an assistant reply and a user message (~`--added` tokens), as a codi
 Overhead is the router's own figure (`evolving_router_overhead_seconds`: arrival to leaving for
 the engines: parsing, tokenizing, hashing, the branch update, the match and the routing
 decision), read per request through the dispatcher's observer; the first turn of each agent
-(cold: nothing kept) is left out. The agents of every context take turns in rotation on one
-router (a 2-core VM's speed drifts by ~20% over seconds: every context meets the same drift),
-with the turn cache (the default) and without it (`--turn-cache-mib 0`), in `--rounds` rounds.
+(cold: nothing kept) is left out. Each context runs with the turn cache (the default) and
+without it (`--turn-cache-mib 0`), side by side in one run, in `--rounds` rounds that each go
+through every context (a 2-core VM's speed drifts by ~20% over minutes; interleaving puts the
+drift into every column alike). Each context size is measured alone, on a router of its own:
+one serving long and short contexts at once ran the short ones ~2x slower here (its caches
+shared with the long ones' bytes), which flatters the ratio of long to short.
 
 Tokenizers: `bpe`, a byte-level BPE of 32k tokens trained here on the project's own sources and
 docs (~3.6 characters a token; a real model's vocabulary is larger, and tokenizes ~1.5-2x
@@ -109,40 +112,34 @@ class Text:
         return self.text[start : start + n]
 
 
-class Agent:
-    """One agent: its context, then a turn adding ~`args.added` tokens at each `step`."""
-
-    def __init__(self, name: str, text: Text, context: int, args: argparse.Namespace) -> None:
-        self.context, self.text, self.args = context, text, args
-        self.messages: list[dict[str, str]] = [
-            {"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": text.take(context, text.contexts)},
-        ]
-        self.ids = text.tokenizer.encode(self.messages[1]["content"])
-        self.headers = {"X-Agent-Branch": name}
-
-    async def step(self, client: TestClient[Any, Any]) -> None:
-        if self.args.api == "chat":
-            body: dict[str, Any] = {"model": "m", "messages": self.messages, "max_tokens": 1}
-            resp = await client.post("/v1/chat/completions", json=body, headers=self.headers)
+async def agent(
+    client: TestClient[Any, Any], name: str, text: Text, context: int, args: argparse.Namespace
+) -> None:
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": text.take(context, text.contexts)},
+    ]
+    ids = text.tokenizer.encode(messages[1]["content"])
+    headers = {"X-Agent-Branch": name}
+    for _ in range(args.turns + 1):
+        if args.api == "chat":
+            body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 1}
+            resp = await client.post("/v1/chat/completions", json=body, headers=headers)
         else:  # token ids, as the replayer sends them
-            body = {"model": "m", "prompt": self.ids, "max_tokens": 1}
-            resp = await client.post("/v1/completions", json=body, headers=self.headers)
+            body = {"model": "m", "prompt": ids, "max_tokens": 1}
+            resp = await client.post("/v1/completions", json=body, headers=headers)
         assert resp.status == 200, await resp.text()
         await resp.read()
-        t, added = self.text, self.args.added
-        reply, user = t.take(added // 5, t.added), t.take(added - added // 5, t.added)
-        self.messages.append({"role": "assistant", "content": reply})
-        self.messages.append({"role": "user", "content": user})
-        self.ids = [*self.ids, *t.tokenizer.encode(reply), *t.tokenizer.encode(user)]
+        reply = text.take(args.added // 5, text.added)
+        user = text.take(args.added - args.added // 5, text.added)
+        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "user", "content": user})
+        ids = [*ids, *text.tokenizer.encode(reply), *text.tokenizer.encode(user)]
 
 
 async def measure(
-    tokenizer: Tokenizer, text: Text, contexts: list[int], args: argparse.Namespace, cache_mib: int
-) -> dict[int, list[float]]:
-    """Overheads of the warm turns by context: one router, the agents of every context taking
-    turns in rotation (a 2-core VM's speed drifts by ~20% over seconds; this way every context
-    meets the same drift)."""
+    tokenizer: Tokenizer, text: Text, context: int, args: argparse.Namespace, cache_mib: int
+) -> list[float]:
     engines = [
         EngineHandle(0, "http://127.0.0.1:9000", "prefill", "127.0.0.1", 9000, 10**7),
         EngineHandle(1, "http://127.0.0.1:9001", "decode", "127.0.0.1", 9001, 10**7),
@@ -168,15 +165,12 @@ async def measure(
         max_body_bytes=256 * 2**20,
         turn_cache_bytes=cache_mib << 20,
     )
-    agents = [Agent(f"a{a}-{c}", text, c, args) for a in range(args.agents) for c in contexts]
-    out: dict[int, list[float]] = {c: [] for c in contexts}
+    out: list[float] = []
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        for turn in range(args.turns + 1):
-            for agent in agents:
-                seen.seen.clear()
-                await agent.step(client)
-                if turn > 0:  # the first turn is cold
-                    out[agent.context].extend(seen.seen)
+        for a in range(args.agents):
+            seen.seen.clear()
+            await agent(client, f"a{a}", text, context, args)
+            out.extend(seen.seen[1:])  # the first turn is cold
     return out
 
 
@@ -205,11 +199,10 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     seen: dict[tuple[int, str], list[float]] = {}
     for r in range(args.rounds):
-        for label, mib in (("cache", 512), ("no_cache", 0)):
-            text_at = Text(text, tokenizer, args.seed + r)
-            for context, got in asyncio.run(
-                measure(tokenizer, text_at, contexts, args, mib)
-            ).items():
+        for context in contexts:
+            for label, mib in (("cache", 512), ("no_cache", 0)):
+                text_at = Text(text, tokenizer, args.seed + r)
+                got = asyncio.run(measure(tokenizer, text_at, context, args, mib))
                 seen.setdefault((context, label), []).extend(x * 1e3 for x in got)
     rows = []
     print(f"tokenizer {tokenizer.name}, {args.api}; overhead per warm turn, ms (P50 / P95)")
