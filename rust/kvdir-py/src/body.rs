@@ -264,16 +264,7 @@ pub fn array_spans(
 /// Bytes `a` and `b` start with in common.
 #[pyfunction]
 pub fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    const STEP: usize = 256;
-    let n = a.len().min(b.len());
-    let mut i = 0;
-    while i + STEP <= n && a[i..i + STEP] == b[i..i + STEP] {
-        i += STEP;
-    }
-    while i < n && a[i] == b[i] {
-        i += 1;
-    }
-    i
+    kvdir::common_prefix(a, b)
 }
 
 #[cfg(test)]

@@ -279,13 +279,14 @@ fn write_digits(ids: &[u32], out: &mut [u8]) {
     debug_assert_eq!(at, end, "write_digits: out must be digits_len bytes");
 }
 
-/// Length of the common prefix of `a` and `b`, compared 64 tokens at a time.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    const STEP: usize = 64;
+/// Length of the common prefix of `a` and `b`, compared 256 bytes at a time (a slice compare
+/// the compiler turns into `memcmp`), then item by item.
+pub fn common_prefix<T: PartialEq>(a: &[T], b: &[T]) -> usize {
+    let step = (256 / std::mem::size_of::<T>()).max(1);
     let n = a.len().min(b.len());
     let mut i = 0;
-    while i + STEP <= n && a[i..i + STEP] == b[i..i + STEP] {
-        i += STEP;
+    while i + step <= n && a[i..i + step] == b[i..i + step] {
+        i += step;
     }
     while i < n && a[i] == b[i] {
         i += 1;

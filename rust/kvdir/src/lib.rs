@@ -24,7 +24,7 @@ mod wide;
 pub use branches::BranchId;
 pub use directory::{Directory, Stats};
 pub use error::{Error, Result};
-pub use hash::{block_hashes, trace_chain, PagedPrompt};
+pub use hash::{block_hashes, common_prefix, trace_chain, PagedPrompt};
 pub use matching::PrefixMatch;
 
 /// A block: its SGLang page hash, as a signed 64-bit int.
