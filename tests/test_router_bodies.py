@@ -92,6 +92,14 @@ def test_the_scanner_turns_down_what_it_cannot_read_unambiguously(raw: bytes) ->
     assert array_spans(raw, "messages") is None
 
 
+def test_a_body_no_branch_keeps_is_not_scanned() -> None:
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "prompt": [1, 2]}'
+    assert decode_chat(raw, None).body is not None
+    assert decode_chat(raw, None, keep=False).body is None
+    assert decode_ids(raw, None).body is not None
+    assert decode_ids(raw, None, keep=False).body is None
+
+
 def test_common_prefix() -> None:
     assert common_prefix(b"abcdef" * 100, b"abcdef" * 50 + b"x") == 300
     assert common_prefix(b"", b"abc") == 0

@@ -141,9 +141,6 @@ def _dispatch_error(e: DispatchError) -> ApiError:
     return ApiError(e.status, f"engine failed: {e.reason}", code=api.ENGINE_FAILED)
 
 
-_Request = ChatRequest | CompletionRequest
-
-
 def _branch(headers: Mapping[str, str], agent: Mapping[str, Any] | None) -> BranchInfo | None:
     """The router's own branch API first; else the session headers harnesses already send."""
     return parse_branch_info(headers, agent) or session_branch(headers)
@@ -425,7 +422,7 @@ class FrontEnd:
         `read_completion`): the messages or token ids it repeats byte for byte are not decoded
         again."""
         read: Callable[
-            [bytes, Turn | None], tuple[ChatRequest | CompletionRequest, KeptBody | None]
+            [bytes, Turn | None, bool], tuple[ChatRequest | CompletionRequest, KeptBody | None]
         ]
         read = self.turns.read_chat if kind == "chat" else self.turns.read_completion
         try:  # the branch as the headers name it, to read the body against
@@ -433,11 +430,11 @@ class FrontEnd:
         except ApiError:
             named = None  # named again below, with the body's `agent`, for the error
         last = self._last(named)
-        req, kept = read(raw, last)
+        req, kept = read(raw, last, named is not None)  # an anonymous body is kept by no branch
         info = _branch(headers, req.agent)
         if info != named:  # the body's `agent` names another branch: read against its turn
             last = self._last(info)
-            req, kept = read(raw, last)
+            req, kept = read(raw, last, info is not None)
         return req, info, last, kept
 
     def _last(self, info: BranchInfo | None) -> Turn | None:

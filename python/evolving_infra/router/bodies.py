@@ -78,12 +78,14 @@ def loads(raw: bytes) -> Any:
         raise ApiError(400, f"malformed JSON body: {e}", code=INVALID_JSON) from None
 
 
-def decode_chat(raw: bytes, last: KeptBody | None) -> Decoded:
-    """`raw` decoded, without the leading messages it shares byte for byte with `last`."""
+def decode_chat(raw: bytes, last: KeptBody | None, keep: bool = True) -> Decoded:
+    """`raw` decoded, without the leading messages it shares byte for byte with `last`; and,
+    with `keep`, what the next request is to be compared with (a body no branch names is not
+    scanned for it)."""
     if last is not None and last.key == MESSAGES and (cut := _after_message(raw, last)):
         return cut
     value = loads(raw)
-    found = array_spans(raw, MESSAGES)
+    found = array_spans(raw, MESSAGES) if keep else None
     if found is None:
         return Decoded(value, 0, None)
     open_, close, spans = found
@@ -91,13 +93,14 @@ def decode_chat(raw: bytes, last: KeptBody | None) -> Decoded:
     return Decoded(value, 0, KeptBody(raw, MESSAGES, open_, close, ends, starts))
 
 
-def decode_ids(raw: bytes, last: KeptBody | None) -> Decoded:
+def decode_ids(raw: bytes, last: KeptBody | None, keep: bool = True) -> Decoded:
     """`raw` (a completion) decoded, without the leading token ids of its `prompt` array that
-    it shares byte for byte with `last` (whose `prompt` was an array of ids)."""
+    it shares byte for byte with `last` (whose `prompt` was an array of ids); `keep` as for
+    `decode_chat`."""
     if last is not None and last.key == PROMPT and (cut := _after_id(raw, last)):
         return cut
     value = loads(raw)
-    found = array_spans(raw, PROMPT, spans=False)
+    found = array_spans(raw, PROMPT, spans=False) if keep else None
     if found is None or not isinstance(value, dict) or not isinstance(value.get(PROMPT), list):
         return Decoded(value, 0, None)
     return Decoded(value, 0, KeptBody(raw, PROMPT, found[0], found[1], ids=len(value[PROMPT])))

@@ -97,23 +97,26 @@ class TurnCache:
     def __len__(self) -> int:
         return len(self._turns)
 
-    def read_chat(self, raw: bytes, last: Turn | None) -> tuple[ChatRequest, KeptBody | None]:
+    def read_chat(
+        self, raw: bytes, last: Turn | None, keep: bool = True
+    ) -> tuple[ChatRequest, KeptBody | None]:
         """A chat body, its messages that `last`'s body also starts with left out (counted in
-        `ChatRequest.kept`); and the body to keep. A 400 `ApiError` if it is not one."""
-        decoded = decode_chat(raw, None if last is None else last.body)
+        `ChatRequest.kept`); and the body to keep (`keep`: a branch will keep it). A 400
+        `ApiError` if it is not one."""
+        decoded = decode_chat(raw, None if last is None else last.body, keep)
         req = parse_chat(decoded.value, decoded.kept)
         if decoded.kept and (last is None or last.tools != req.tools or not last.parts):
             # New tools come before every message: nothing kept holds (a rare change).
-            decoded = decode_chat(raw, None)
+            decoded = decode_chat(raw, None, keep)
             req = parse_chat(decoded.value)
         return req, decoded.body
 
     def read_completion(
-        self, raw: bytes, last: Turn | None
+        self, raw: bytes, last: Turn | None, keep: bool = True
     ) -> tuple[CompletionRequest, KeptBody | None]:
         """A completion body, the leading token ids of its `prompt` that `last`'s body also
         starts with left out (counted in `CompletionRequest.kept`); and the body to keep."""
-        decoded = decode_ids(raw, None if last is None else last.body)
+        decoded = decode_ids(raw, None if last is None else last.body, keep)
         return parse_completion(decoded.value, decoded.kept), decoded.body
 
     def last(self, branch: str | None, after: str | None = None) -> Turn | None:
