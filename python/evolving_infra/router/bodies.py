@@ -155,13 +155,3 @@ def _cut(raw: bytes, open_: int, cut: int) -> Any:
         return orjson.loads(raw[: open_ + 1] + raw[cut:])
     except ValueError:
         return None
-
-
-def same_messages(a: KeptBody, b: KeptBody) -> int:
-    """How many leading messages `a` and `b` write with the same bytes."""
-    n = 0
-    for i in range(min(len(a.ends), len(b.ends))):
-        if a.message(i) != b.message(i):
-            break
-        n += 1
-    return n
