@@ -34,7 +34,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from evolving_infra import KvDirectory, logs
+from evolving_infra import KvDirectory, logs, malloc
 from evolving_infra.planner.slices import Slices
 from evolving_infra.router.app import build_app
 from evolving_infra.router.branches import BranchTracker
@@ -190,6 +190,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write the figures here too")
     args = p.parse_args()
     logs.configure(level="warning")  # the router logs a line per request
+    # The allocator as `evolving-infra router` sets it (`EVOLVING_INFRA_MALLOC=default`: glibc's
+    # own): its fixed mmap threshold maps every buffer over 128 KiB afresh, so a 100k-token
+    # turn's bodies and kept prompt (~3 MB) fault their pages in again each request.
+    tuned = malloc.tune()
     text = corpus()
     tokenizer = train_bpe(text) if args.tokenizer == "bpe" else ByteTokenizer()
     # A busy router's BPE word cache is full (Hugging Face `tokenizers` keeps the first 10,000
@@ -205,7 +209,8 @@ def main() -> None:
                 got = asyncio.run(measure(tokenizer, text_at, context, args, mib))
                 seen.setdefault((context, label), []).extend(x * 1e3 for x in got)
     rows = []
-    print(f"tokenizer {tokenizer.name}, {args.api}; overhead per warm turn, ms (P50 / P95)")
+    print(f"tokenizer {tokenizer.name}, {args.api}, malloc {'router' if tuned else 'default'};"
+          " overhead per warm turn, ms (P50 / P95)")  # fmt: skip
     print(f"{'context':>8} | {'turn cache':>17} | {'no turn cache':>17} | P50 ratio")
     for context in contexts:
         figures = {}
@@ -226,7 +231,7 @@ def main() -> None:
         grown = statistics.median(seen[context, "cache"]) / statistics.median(base)
         print(f"turn cache: P50 at {context} tokens / at {contexts[0]}: {grown:.2f}x")
     if args.json is not None:
-        out = {"tokenizer": tokenizer.name, "api": args.api, "rows": rows}
+        out = {"tokenizer": tokenizer.name, "api": args.api, "malloc_tuned": tuned, "rows": rows}
         args.json.write_text(json.dumps(out, indent=1))
 
 
