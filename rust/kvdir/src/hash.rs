@@ -111,13 +111,15 @@ impl PagedPrompt {
         let head = &before.text[..before.text_end(reused)];
         let new = &ids[reused..];
         let comma = usize::from(reused > 0 && !new.is_empty());
-        let mut text = Vec::with_capacity(head.len() + comma + digits_len(new));
+        let len = head.len() + comma + digits_len(new);
+        let mut text = Vec::with_capacity(len);
         text.extend_from_slice(head);
         if comma == 1 {
             text.push(b',');
         }
         let at = text.len();
-        text.resize(text.capacity(), 0);
+        // To `len`, not the capacity: an allocator may give more, which would be text.
+        text.resize(len, 0);
         write_digits(new, &mut text[at..]);
         Self {
             page_size,
