@@ -300,3 +300,17 @@ def test_a_bad_id_tail_is_what_the_whole_body_gives(tail: bytes) -> None:
         cache.read_completion(raw, cache.last("b"))
     assert (got.value.status, got.value.code) == (expect.status, expect.code)
     assert got.value.message == expect.message
+
+
+def test_a_text_prompt_body_is_not_kept_as_ids() -> None:
+    """A prompt of one string is text, not ids: its commas are not id separators, so its body
+    must not be read as a kept array of ids (the next body, here malformed JSON whose cut
+    document would be valid, gets the whole body's 400)."""
+    cache = TurnCache(ByteTokenizer(), PAGE)
+    first = b'{"model": "m", "prompt": ["5, 6 and a longer text after it"]}'
+    req, body = cache.read_completion(first, None)
+    cache.encode(req, "b", None, body)
+    assert cache.last("b") is not None
+    with pytest.raises(ApiError) as e:
+        cache.read_completion(b'{"model": "m", "prompt": ["5, 7]}', cache.last("b"))
+    assert (e.value.status, e.value.code) == (400, "invalid_json")

@@ -165,7 +165,7 @@ class CompletionRequest:
     user: str | None = None
     agent: Mapping[str, Any] | None = None
     # Leading token ids not in `prompt`: byte for byte those of the branch's last request, which
-    # the router did not decode again (`bodies.decode`); `prompt` is the rest.
+    # the router did not decode again (`bodies.decode_ids`); `prompt` is the rest.
     kept: int = 0
 
 

@@ -66,7 +66,7 @@ class Turn:
     ends: tuple[int, ...]  # token count at the end of each part
     prompt: PagedPrompt
     tools: str | None = None  # a chat prompt's tools (its first part)
-    body: KeptBody | None = None  # a chat request's body as received
+    body: KeptBody | None = None  # the body as received (a chat's, or a completion's of ids)
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +151,9 @@ class TurnCache:
                 ids = self.tokenizer.encode(req.prompt)
                 tokenized = len(ids)
                 prompt = PagedPrompt(ids, self.page_size, _prompt(last))
+                # A prompt of text (`["..."]` too): its body's commas are not id separators,
+                # so it is not kept to read the next body against.
+                body = None
             else:  # token ids, already checked: hashed as they are
                 prompt = PagedPrompt(req.prompt, self.page_size, _prompt(last))
             turn = Turn((), (), prompt, body=body)
