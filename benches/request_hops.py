@@ -20,6 +20,7 @@ from evolving_infra.planner.slices import Slices
 from evolving_infra.router import api
 from evolving_infra.router.dispatcher import Finished, PreparedRequest, TextPiece
 from evolving_infra.router.loads import EngineHandle
+from evolving_infra.router.transport import Body
 from evolving_infra.router.observer import PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.registry import EngineRegistry
@@ -55,10 +56,10 @@ req = PreparedRequest(
 class Legs:
     """The engines' legs, answering at once."""
 
-    async def prefill(self, engine: EngineHandle, body: bytes) -> None:
+    async def prefill(self, engine: EngineHandle, body: Body) -> None:
         return None
 
-    async def decode(self, engine: EngineHandle, body: bytes) -> AsyncGenerator[Any, None]:
+    async def decode(self, engine: EngineHandle, body: Body) -> AsyncGenerator[Any, None]:
         yield TextPiece("hi", 1)
         yield Finished("stop", 1, 320)
 

@@ -32,6 +32,7 @@ from evolving_infra.router.dispatcher import (
 )
 from evolving_infra.router.metrics import RouterMetrics
 from evolving_infra.router.tokenize import ByteTokenizer, Tokenizer
+from evolving_infra.router.transport import Body
 
 PAGE = 4  # tokens per page: short prompts already span several blocks
 
@@ -153,11 +154,11 @@ class Legs:
     ) -> None:
         self._prefill, self._decode = prefill, decode
 
-    async def prefill(self, engine: Any, body: bytes) -> None:
+    async def prefill(self, engine: Any, body: Body) -> None:
         if self._prefill is not None:
-            await self._prefill(engine, body)
+            await self._prefill(engine, bytes(body))
 
-    async def decode(self, engine: Any, body: bytes) -> AsyncGenerator[GenerationEvent, None]:
+    async def decode(self, engine: Any, body: Body) -> AsyncGenerator[GenerationEvent, None]:
         if self._decode is not None:
-            async for event in self._decode(engine, body):
+            async for event in self._decode(engine, bytes(body)):
                 yield event

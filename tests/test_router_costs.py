@@ -23,14 +23,14 @@ from hypothesis import strategies as st
 from evolving_infra import KvDirectory, PagedPrompt
 from evolving_infra._core import PrefixMatch
 from evolving_infra.planner.slices import Slices
-from evolving_infra.router import api
+from evolving_infra.router import api, transport
 from evolving_infra.router.daemon import SampleThinning
 from evolving_infra.router.dispatcher import Finished, PreparedRequest, TextPiece
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.observer import PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.transport import _without_output_ids, ids_bodies
+from evolving_infra.router.transport import _without_output_ids
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.types import Phase, token_ids_valid
@@ -40,8 +40,7 @@ from router_helpers import PAGE, Legs, Router, run_router
 
 
 def ids_json(ids: Sequence[int]) -> bytes:
-    [body] = ids_bodies(ids, b"", [b""])
-    return body
+    return b"".join(transport.ids_json(ids))
 
 
 @pytest.mark.parametrize(
@@ -58,16 +57,43 @@ def test_ids_json_is_the_json_array_of_the_ids(ids: list[int]) -> None:
     assert PagedPrompt(ids, PAGE).json() == ids_json(ids)
 
 
+def test_a_kept_prompts_json_comes_in_pieces_under_the_mmap_threshold() -> None:
+    # 100k ids: the text is copied out in pieces of a chunk's ids each (~25 KB), never in one
+    # buffer the size of the prompt (`transport.Body`); their concatenation is the array.
+    ids = [(i * 7919) % 150_000 for i in range(100_000)]
+    pieces = transport.ids_json(PagedPrompt(ids, PAGE))
+    assert b"".join(pieces) == json.dumps(ids, separators=(",", ":")).encode()
+    assert len(pieces) > 20
+    assert max(len(p) for p in pieces) < 64 * 1024
+    # A turn that extends it: the same pieces but for the last chunk's and what it adds.
+    more = transport.ids_json(PagedPrompt.extend(PagedPrompt(ids, PAGE), 99_990, [1, 2, 3]))
+    assert more[:-1] == pieces[:-1]
+    assert json.loads(b"".join(more)) == [*ids[:99_990], 1, 2, 3]
+
+
 @pytest.mark.parametrize("prompt", [False, True], ids=["list", "paged"])
-def test_ids_bodies_put_the_ids_between_head_and_each_tail(prompt: bool) -> None:
+def test_pd_bodies_share_the_ids_and_differ_in_stream(prompt: bool) -> None:
     ids = [3, 1, 4, 1, 5, 9, 2, 6] * 5
     seq: Sequence[int] = PagedPrompt(ids, PAGE) if prompt else ids
-    array = json.dumps(ids, separators=(",", ":")).encode()
-    tails = [b"}", b"", b', "stream": true}']
-    assert ids_bodies(seq, b'{"input_ids": ', tails) == [
-        b'{"input_ids": ' + array + t for t in tails
-    ]
-    assert ids_bodies(seq, b"", []) == []
+    req = PreparedRequest(
+        request_id="r1", kind="completion", model="m", token_ids=seq, block_hashes=(),
+        page_size=PAGE, branch=0, branch_info=None, sampling=api.SamplingParams(), stream=True,
+        arrival=0.0,
+    )  # fmt: skip
+    engine = EngineHandle(0, "http://e", "prefill", "10.0.0.1", 8998, 100)
+    to_prefill, to_decode = transport.pd_bodies(req, engine, 7, 1, 16)
+    first, second = json.loads(bytes(to_prefill)), json.loads(bytes(to_decode))
+    assert first["input_ids"] == second["input_ids"] == ids
+    assert (first["stream"], second["stream"]) == (False, True)
+    assert (first["rid"], first["bootstrap_room"]) == ("r1.1", 7)
+    assert (first["bootstrap_host"], first["sampling_params"]) == (
+        "10.0.0.1",
+        {"max_new_tokens": 16},
+    )
+    assert len(to_prefill) == len(bytes(to_prefill))
+    # The ids' text is made once, for both bodies.
+    assert all(p is q for p, q in zip(to_prefill.pieces[:-1], to_decode.pieces[:-1], strict=True))
+    assert b"".join(to_prefill.pieces[1:-1]) == json.dumps(ids, separators=(",", ":")).encode()
 
 
 def test_ids_json_of_a_random_100k_token_prompt() -> None:

@@ -77,7 +77,8 @@ class PagedPrompt(Sequence[int]):
     agent branch so that the next turn hashes only what it adds. The prefix is compared token by
     token, not assumed; the ids' decimal text (the engines' JSON) is kept and reused the same way.
     Raises `InvalidArgumentError` for an id outside [0, 2^32) or a page size of 0. ~10 bytes a
-    token (the id, its text) and 32 a page. A sequence of its ids (registered as one)."""
+    token (the id, its text) and 32 a page, held in chunks of ~4k ids that the prompts built
+    from one another share. A sequence of its ids (registered as one)."""
 
     def __new__(
         cls, token_ids: Sequence[int], page_size: int, after: PagedPrompt | None = None
@@ -88,9 +89,8 @@ class PagedPrompt(Sequence[int]):
         hashed, and no id is compared (the caller verified what it keeps)."""
     def json(self) -> bytes:
         """The ids as the text of a JSON array without spaces."""
-    def bodies(self, head: bytes, tails: Sequence[bytes]) -> list[bytes]:
-        """`head`, the ids' JSON (as `json`), then each tail: one bytes object per tail, the
-        ids' text written once."""
+    def json_pieces(self) -> list[bytes]:
+        """`json()` in pieces of ~25 KB (their concatenation), copied from the kept text."""
     @overload
     def __getitem__(self, index: int, /) -> int: ...
     @overload
@@ -105,7 +105,7 @@ class PagedPrompt(Sequence[int]):
     def page_size(self) -> int: ...
     @property
     def nbytes(self) -> int:
-        """Bytes held."""
+        """Bytes held (chunks shared with other prompts counted here too)."""
     def __len__(self) -> int: ...
 
 @final

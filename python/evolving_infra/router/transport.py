@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import aiohttp.payload
 import orjson
+from aiohttp.abc import AbstractStreamWriter
 
 from evolving_infra import PagedPrompt
 from evolving_infra.router.dispatcher import (
@@ -38,11 +41,11 @@ _JSON = {"Content-Type": "application/json"}
 class PdTransport(Protocol):
     """Sends a request's two halves (`pd_bodies`) to its engines."""
 
-    async def prefill(self, engine: EngineHandle, body: bytes) -> None:
+    async def prefill(self, engine: EngineHandle, body: Body) -> None:
         """Until the prefill engine has answered (its KV handed over, or an error)."""
         ...
 
-    def decode(self, engine: EngineHandle, body: bytes) -> AsyncGenerator[GenerationEvent, None]:
+    def decode(self, engine: EngineHandle, body: Body) -> AsyncGenerator[GenerationEvent, None]:
         """The decode engine's stream: text pieces, then `Finished`."""
         ...
 
@@ -60,21 +63,36 @@ class UnreachableError(Exception):
         self.gone = gone
 
 
-def ids_bodies(token_ids: Sequence[int], head: bytes, tails: Sequence[bytes]) -> list[bytes]:
-    """`head`, `token_ids` as the text of a JSON array without spaces, then each of `tails`:
-    one body per tail. A prompt is ~100k ids, written into the prefill and the decode body:
-    `json.dumps` of the list was the router's largest CPU cost in the 200-agent soak's profile
-    (~18 ms per 100k ids); orjson writes them in ~1 ms, a `PagedPrompt` its own in ~0.1 ms,
-    straight into each body (no concatenation copying the ~600 KB of digits again)."""
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A `/generate` body as the pieces it is sent in, one after another (`pd_bodies`): a
+    100k-token prompt's ids are ~600 KB of JSON, kept as ~25 KB pieces by the branch's
+    `PagedPrompt` and shared by the request's two bodies, so no buffer the size of the prompt is
+    written per request (two were ~0.4 ms at 100k tokens, mostly the fresh pages' faults)."""
+
+    pieces: tuple[bytes, ...]
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+
+def ids_json(token_ids: Sequence[int]) -> list[bytes]:
+    """`token_ids` as the text of a JSON array without spaces, in pieces. A prompt is ~100k
+    ids, written into the prefill and the decode body: `json.dumps` of the list was the
+    router's largest CPU cost in the 200-agent soak's profile (~18 ms per 100k ids); orjson
+    writes them in ~1 ms, and a `PagedPrompt` keeps its text (the branch's last turn's, but for
+    what this turn added) and copies it out in pieces."""
     if isinstance(token_ids, PagedPrompt):
-        return token_ids.bodies(head, tails)
-    ids = orjson.dumps(token_ids if isinstance(token_ids, list | tuple) else list(token_ids))
-    return [head + ids + tail for tail in tails]
+        return token_ids.json_pieces()
+    return [orjson.dumps(token_ids if isinstance(token_ids, list | tuple) else list(token_ids))]
 
 
 def pd_bodies(
     req: PreparedRequest, prefill: EngineHandle, room: int, attempt: int, max_tokens: int
-) -> tuple[bytes, bytes]:
+) -> tuple[Body, Body]:
     """The `/generate` bodies of the prefill and the decode engine, as JSON bytes: the same
     request with the prefill engine's bootstrap address and the `room` both sides meet in,
     streamed to the decode side only, its token ids encoded once for both. `max_tokens`: the
@@ -99,9 +117,8 @@ def pd_bodies(
         "bootstrap_room": room,
     }
     start = json.dumps(head)[:-1].encode() + b', "input_ids": '
-    tails = (b', "stream": false}', b', "stream": true}')
-    to_prefill, to_decode = ids_bodies(req.token_ids, start, tails)
-    return to_prefill, to_decode
+    ids = ids_json(req.token_ids)
+    return Body((start, *ids, b', "stream": false}')), Body((start, *ids, b', "stream": true}'))
 
 
 class HttpTransport:
@@ -111,7 +128,7 @@ class HttpTransport:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5.0)
 
-    async def prefill(self, engine: EngineHandle, body: bytes) -> None:
+    async def prefill(self, engine: EngineHandle, body: Body) -> None:
         post = self._post(engine, body)
         del body  # `post` sends it and lets it go
         async with post as resp:
@@ -119,7 +136,7 @@ class HttpTransport:
             await resp.read()
 
     async def decode(
-        self, engine: EngineHandle, body: bytes
+        self, engine: EngineHandle, body: Body
     ) -> AsyncGenerator[GenerationEvent, None]:
         text, tokens = "", 0
         last = b""  # the latest chunk as sent: its cumulative output ids, should the stream break
@@ -164,7 +181,7 @@ class HttpTransport:
                 ) from None
         raise EngineFailedError(f"engine {engine.node} ended the stream early", node=engine.node)
 
-    def _post(self, engine: EngineHandle, body: bytes) -> _Request:
+    def _post(self, engine: EngineHandle, body: Body) -> _Request:
         return _Request(self.session, engine, body, self.timeout)
 
     async def _check(self, engine: EngineHandle, resp: aiohttp.ClientResponse) -> None:
@@ -201,6 +218,37 @@ def _message(detail: str) -> str:
     return detail
 
 
+_SENT = Body(())
+
+
+class _Pieces(aiohttp.payload.Payload):
+    """A `Body` sent piece by piece, its length known (no chunked encoding)."""
+
+    _value: Body
+
+    def __init__(self, body: Body) -> None:
+        super().__init__(body, content_type=_JSON["Content-Type"])
+        self._size = len(body)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._value).decode(encoding, errors)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        for piece in self._value.pieces:
+            await writer.write(piece)
+
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        # A Content-Length below the body's cuts it, as aiohttp's own payloads do.
+        left = len(self._value) if content_length is None else content_length
+        for piece in self._value.pieces:
+            if left <= 0:
+                return
+            await writer.write(piece[:left] if len(piece) > left else piece)
+            left -= len(piece)
+
+
 class _Request:
     """`session.post(...)` whose connection failures become `UnreachableError`."""
 
@@ -208,7 +256,7 @@ class _Request:
         self,
         session: aiohttp.ClientSession,
         engine: EngineHandle,
-        body: bytes,
+        body: Body,
         timeout: aiohttp.ClientTimeout,
     ) -> None:
         self.session, self.engine, self.body, self.timeout = session, engine, body, timeout
@@ -216,9 +264,12 @@ class _Request:
 
     async def __aenter__(self) -> aiohttp.ClientResponse:
         try:
-            body, self.body = self.body, b""  # sent once: not held for the whole stream
+            body, self.body = self.body, _SENT  # sent once: not held for the whole stream
             self.resp = await self.session.post(
-                f"{self.engine.http_url}/generate", data=body, headers=_JSON, timeout=self.timeout
+                f"{self.engine.http_url}/generate",
+                data=_Pieces(body),
+                headers=_JSON,
+                timeout=self.timeout,
             )
         except TimeoutError as e:  # aiohttp's connection timeouts are TimeoutErrors too
             reason = str(e) or type(e).__name__

@@ -161,7 +161,7 @@ class TurnCache:
             self._put(branch, turn)
         prompt = turn.prompt
         # The kept prompt goes on as the request's ids (ids sent as ids too: it writes the
-        # engines' JSON ~4x faster than orjson writes the tuple, `transport.ids_bodies`).
+        # engines' JSON ~4x faster than orjson writes the tuple, `transport.ids_json`).
         return Encoded(prompt, prompt.hashes(), tokenized, prompt.reused)
 
     def _chat(self, req: ChatRequest, last: Turn | None, body: KeptBody | None) -> tuple[Turn, int]:

@@ -17,6 +17,7 @@ mod holder_list;
 mod holders;
 mod invariants;
 mod matching;
+mod prompt;
 pub mod scoring;
 mod table;
 mod wide;
@@ -24,7 +25,8 @@ mod wide;
 pub use branches::BranchId;
 pub use directory::{Directory, Stats};
 pub use error::{Error, Result};
-pub use hash::{block_hashes, common_prefix, trace_chain, PagedPrompt};
+pub use hash::{block_hashes, common_prefix, trace_chain};
+pub use prompt::PagedPrompt;
 pub use matching::PrefixMatch;
 
 /// A block: its SGLang page hash, as a signed 64-bit int.
