@@ -20,10 +20,10 @@ from evolving_infra.planner.slices import Slices
 from evolving_infra.router import api
 from evolving_infra.router.dispatcher import Finished, PreparedRequest, TextPiece
 from evolving_infra.router.loads import EngineHandle
-from evolving_infra.router.transport import Body
 from evolving_infra.router.observer import PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.registry import EngineRegistry
+from evolving_infra.router.transport import Body
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
 

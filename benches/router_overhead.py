@@ -40,12 +40,12 @@ from evolving_infra.router.app import build_app
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.dispatcher import Finished, TextPiece
 from evolving_infra.router.loads import EngineHandle
-from evolving_infra.router.transport import Body
 from evolving_infra.router.metrics import RouterMetrics
 from evolving_infra.router.observer import Observers, PlannerFeed
 from evolving_infra.router.pd import PdDispatcher
 from evolving_infra.router.registry import EngineRegistry
 from evolving_infra.router.tokenize import ByteTokenizer, HfTokenizer, Tokenizer
+from evolving_infra.router.transport import Body
 from evolving_infra.routing.evolving import EvolvingRouter
 from evolving_infra.timing.model import IterationModel
 

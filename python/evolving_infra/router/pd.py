@@ -59,7 +59,7 @@ from evolving_infra.router.kvpull import KvPuller, Pull, best_source
 from evolving_infra.router.loads import EngineHandle
 from evolving_infra.router.observer import DispatchObserver
 from evolving_infra.router.registry import EngineRegistry
-from evolving_infra.router.transport import PdTransport, UnreachableError, pd_bodies
+from evolving_infra.router.transport import Body, PdTransport, UnreachableError, pd_bodies
 from evolving_infra.routing.base import Router, RouteRequest
 from evolving_infra.routing.common import NoNodeError
 from evolving_infra.timing.model import IterationModel
@@ -351,7 +351,7 @@ class PdDispatcher:
             log.warning("retry", request=request.request_id, down=node)
 
     async def _prefill(
-        self, p: EngineHandle, place: _Placement, hashes: Sequence[int], body: bytes
+        self, p: EngineHandle, place: _Placement, hashes: Sequence[int], body: Body
     ) -> None:
         """The prefill leg: the cached prefix pulled first, if another node holds more of it
         (the engine answers once the move has begun, and its prefill waits until the blocks
