@@ -26,13 +26,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import random
+import socket
 import statistics
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from aiohttp.test_utils import TestClient, TestServer
+import aiohttp
+from aiohttp import web
 
 from evolving_infra import KvDirectory, logs, malloc
 from evolving_infra.planner.slices import Slices
@@ -99,9 +103,12 @@ class Text:
     contexts and the turns' additions are drawn from two generators, so that every context size
     gets the same additions (what a turn adds is tokenized; its text sets that cost)."""
 
-    def __init__(self, text: str, tokenizer: Tokenizer, seed: int) -> None:
+    def __init__(
+        self, text: str, tokenizer: Tokenizer, seed: int, args: argparse.Namespace
+    ) -> None:
         self.text = text
         self.tokenizer = tokenizer
+        self.args = args
         sample = text[:200_000]
         self.chars_per_token = len(sample) / len(tokenizer.encode(sample))
         self.contexts = random.Random(f"{seed}/contexts")
@@ -114,21 +121,23 @@ class Text:
 
 
 async def agent(
-    client: TestClient[Any, Any], name: str, text: Text, context: int, args: argparse.Namespace
+    session: aiohttp.ClientSession, url: str, name: str, text: Text, context: int, turns: int
 ) -> None:
+    """One agent's first turn and `turns` more, each adding ~`added` tokens."""
+    args = text.args
     messages: list[dict[str, str]] = [
         {"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": text.take(context, text.contexts)},
     ]
     ids = text.tokenizer.encode(messages[1]["content"])
     headers = {"X-Agent-Branch": name}
-    for _ in range(args.turns + 1):
+    for _ in range(turns + 1):
         if args.api == "chat":
             body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 1}
-            resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+            resp = await session.post(f"{url}/v1/chat/completions", json=body, headers=headers)
         else:  # token ids, as the replayer sends them
             body = {"model": "m", "prompt": ids, "max_tokens": 1}
-            resp = await client.post("/v1/completions", json=body, headers=headers)
+            resp = await session.post(f"{url}/v1/completions", json=body, headers=headers)
         assert resp.status == 200, await resp.text()
         await resp.read()
         reply = text.take(args.added // 5, text.added)
@@ -138,16 +147,25 @@ async def agent(
         ids = [*ids, *text.tokenizer.encode(reply), *text.tokenizer.encode(user)]
 
 
-async def measure(
-    tokenizer: Tokenizer, text: Text, context: int, args: argparse.Namespace, cache_mib: int
-) -> list[float]:
+async def agents(url: str, text: Text, context: int) -> None:
+    """Every agent of a context, one after another."""
+    async with aiohttp.ClientSession() as session:
+        for a in range(text.args.agents):
+            await agent(session, url, f"a{a}", text, context, text.args.turns)
+
+
+def client_process(url: str, text: Text, context: int) -> None:
+    asyncio.run(agents(url, text, context))
+
+
+def router_app(tokenizer: Tokenizer, seen: Overheads, cache_mib: int) -> web.Application:
+    """The router's front end and PD core, its engine legs answering at once."""
     engines = [
         EngineHandle(0, "http://127.0.0.1:9000", "prefill", "127.0.0.1", 9000, 10**7),
         EngineHandle(1, "http://127.0.0.1:9001", "decode", "127.0.0.1", 9001, 10**7),
     ]
     model = IterationModel()
     directory = KvDirectory()
-    seen = Overheads(PlannerFeed(Slices(600.0, block_tokens=PAGE)))  # as `LivePlanner` keeps it
     dispatcher = PdDispatcher(
         EngineRegistry(engines),
         directory,
@@ -157,7 +175,7 @@ async def measure(
         transport=Legs(),
         observer=seen,
     )
-    app = build_app(
+    return build_app(
         dispatcher,
         BranchTracker(directory),
         tokenizer,
@@ -166,13 +184,41 @@ async def measure(
         max_body_bytes=256 * 2**20,
         turn_cache_bytes=cache_mib << 20,
     )
-    out: list[float] = []
-    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        for a in range(args.agents):
-            seen.seen.clear()
-            await agent(client, f"a{a}", text, context, args)
-            out.extend(seen.seen[1:])  # the first turn is cold
-    return out
+
+
+def measure(tokenizer: Tokenizer, text: Text, context: int, cache_mib: int) -> list[float]:
+    """The warm turns' overheads, in seconds, of `--agents` agents of `context` tokens on a
+    router of their own; the agents in a process of their own (`--client process`: their
+    JSON is not the router's to write, nor are the caches it leaves cold) or in the router's."""
+    seen = Overheads(PlannerFeed(Slices(600.0, block_tokens=PAGE)))  # as `LivePlanner` keeps it
+    app = router_app(tokenizer, seen, cache_mib)
+    sock = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    client = None
+    if text.args.client == "process":  # forked before the router's event loop runs
+        client = multiprocessing.get_context("fork").Process(
+            target=client_process, args=(url, text, context)
+        )
+        client.start()
+
+    async def serve() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        try:
+            if client is None:
+                await agents(url, text, context)
+            else:
+                await asyncio.get_running_loop().run_in_executor(None, client.join)
+                assert client.exitcode == 0, f"the agents' process failed ({client.exitcode})"
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())
+    # Agents take turns one request at a time: each agent's first (cold) turn is left out.
+    per = text.args.turns + 1
+    assert len(seen.seen) == per * text.args.agents, "a request was not dispatched"
+    return [x for i, x in enumerate(seen.seen) if i % per]
 
 
 def main() -> None:
@@ -189,10 +235,17 @@ def main() -> None:
                    " the replayer sends): default %(default)s")  # fmt: skip
     p.add_argument("--cache-only", action="store_true",
                    help="leave out the runs without the turn cache (the slow ones)")  # fmt: skip
+    p.add_argument("--client", choices=("process", "inline"), default="process",
+                   help="the agents in a process of their own (default), or on the router's"
+                   " event loop (their JSON encoding then runs between the router's requests,"
+                   " leaving its caches cold)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the figures here too")
     args = p.parse_args()
     logs.configure(level="warning")  # the router logs a line per request
+    # The agents' process is forked from this one: Hugging Face tokenizers' threads must not
+    # have started before (it would turn them off, with a warning, in the child).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The allocator as `evolving-infra router` sets it (`EVOLVING_INFRA_MALLOC=default`: glibc's
     # own): its fixed mmap threshold maps every buffer over 128 KiB afresh, so a 100k-token
     # turn's bodies and kept prompt (~3 MB) fault their pages in again each request.
@@ -208,8 +261,8 @@ def main() -> None:
     for r in range(args.rounds):
         for context in contexts:
             for label, mib in (("cache", 512), ("no_cache", 0))[: 1 if args.cache_only else 2]:
-                text_at = Text(text, tokenizer, args.seed + r)
-                got = asyncio.run(measure(tokenizer, text_at, context, args, mib))
+                text_at = Text(text, tokenizer, args.seed + r, args)
+                got = measure(tokenizer, text_at, context, mib)
                 seen.setdefault((context, label), []).extend(x * 1e3 for x in got)
     rows = []
     print(f"tokenizer {tokenizer.name}, {args.api}, malloc {'router' if tuned else 'default'};"

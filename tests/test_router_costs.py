@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import random
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -57,9 +61,9 @@ def test_ids_json_is_the_json_array_of_the_ids(ids: list[int]) -> None:
     assert PagedPrompt(ids, PAGE).json() == ids_json(ids)
 
 
-def test_a_kept_prompts_json_comes_in_pieces_under_the_mmap_threshold() -> None:
-    # 100k ids: the text is copied out in pieces of a chunk's ids each (~25 KB), never in one
-    # buffer the size of the prompt (`transport.Body`); their concatenation is the array.
+def test_a_kept_prompts_json_is_lent_in_pieces() -> None:
+    # 100k ids: the text is lent as read-only views of its chunks (~25 KB each), never copied
+    # into a buffer the size of the prompt (`transport.Body`); they join into the array.
     ids = [(i * 7919) % 150_000 for i in range(100_000)]
     pieces = transport.ids_json(PagedPrompt(ids, PAGE))
     assert b"".join(pieces) == json.dumps(ids, separators=(",", ":")).encode()
@@ -67,8 +71,19 @@ def test_a_kept_prompts_json_comes_in_pieces_under_the_mmap_threshold() -> None:
     assert max(len(p) for p in pieces) < 64 * 1024
     # A turn that extends it: the same pieces but for the last chunk's and what it adds.
     more = transport.ids_json(PagedPrompt.extend(PagedPrompt(ids, PAGE), 99_990, [1, 2, 3]))
-    assert more[:-1] == pieces[:-1]
+    assert more[:-2] == pieces[:-2]
+    assert more[-2] != pieces[-2]
     assert json.loads(b"".join(more)) == [*ids[:99_990], 1, 2, 3]
+    # A view keeps its bytes alive after the prompt is gone, and cannot write them.
+    view = pieces[1]
+    assert isinstance(view, memoryview)
+    assert view.readonly
+    text = bytes(view)
+    del pieces, more
+    gc.collect()
+    assert bytes(view) == text
+    with pytest.raises(TypeError):
+        view[0] = 0
 
 
 @pytest.mark.parametrize("prompt", [False, True], ids=["list", "paged"])
@@ -94,6 +109,37 @@ def test_pd_bodies_share_the_ids_and_differ_in_stream(prompt: bool) -> None:
     # The ids' text is made once, for both bodies.
     assert all(p is q for p, q in zip(to_prefill.pieces[:-1], to_decode.pieces[:-1], strict=True))
     assert b"".join(to_prefill.pieces[1:-1]) == json.dumps(ids, separators=(",", ":")).encode()
+
+
+def test_http_transport_sends_a_body_of_views_with_its_length() -> None:
+    # The prefill leg over real HTTP: the engine reads the exact bytes, with a Content-Length
+    # (no chunked encoding: SGLang's server and ours both get a plain body).
+    got: list[tuple[bytes, str | None, str | None]] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        got.append(
+            (
+                await request.read(),
+                request.headers.get("Content-Length"),
+                request.headers.get("Transfer-Encoding"),
+            )
+        )
+        return web.json_response({"text": ""})
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            engine = EngineHandle(0, str(server.make_url("")).rstrip("/"), "prefill", "h", 1, 10)
+            ids = [(i * 31) % 70_000 for i in range(9_000)]
+            body = transport.Body(
+                (b'{"input_ids": ', *transport.ids_json(PagedPrompt(ids, PAGE)), b"}")
+            )
+            await transport.HttpTransport(session).prefill(engine, body)
+            assert got == [(bytes(body), str(len(body)), None)]
+            assert json.loads(got[0][0]) == {"input_ids": ids}
+
+    asyncio.run(run())
 
 
 def test_ids_json_of_a_random_100k_token_prompt() -> None:

@@ -71,6 +71,13 @@ def common_prefix(a: bytes, b: bytes) -> int:
     """Bytes `a` and `b` start with in common."""
 
 @final
+class PromptText:
+    """A piece of a `PagedPrompt`'s kept text: a read-only buffer (`memoryview(piece)`)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __len__(self) -> int: ...
+    def __bytes__(self) -> bytes: ...
+
 class PagedPrompt(Sequence[int]):
     """A prompt's token ids and the digests of its full pages (SGLang 0.5.23 page hashes),
     reusing those of `after` for the pages both prompts start with: the router keeps one per
@@ -89,8 +96,9 @@ class PagedPrompt(Sequence[int]):
         hashed, and no id is compared (the caller verified what it keeps)."""
     def json(self) -> bytes:
         """The ids as the text of a JSON array without spaces."""
-    def json_pieces(self) -> list[bytes]:
-        """`json()` in pieces of ~25 KB (their concatenation), copied from the kept text."""
+    def text(self) -> list[PromptText]:
+        """The text between `json()`'s brackets as it is kept, one piece per ~4k ids, each a
+        read-only buffer over the native bytes (nothing copied)."""
     @overload
     def __getitem__(self, index: int, /) -> int: ...
     @overload

@@ -67,10 +67,10 @@ class UnreachableError(Exception):
 class Body:
     """A `/generate` body as the pieces it is sent in, one after another (`pd_bodies`): a
     100k-token prompt's ids are ~600 KB of JSON, kept as ~25 KB pieces by the branch's
-    `PagedPrompt` and shared by the request's two bodies, so no buffer the size of the prompt is
-    written per request (two were ~0.4 ms at 100k tokens, mostly the fresh pages' faults)."""
+    `PagedPrompt` and lent to the request's two bodies as views, so no buffer the size of the
+    prompt is written per request (two were ~0.4 ms at 100k tokens, mostly page faults)."""
 
-    pieces: tuple[bytes, ...]
+    pieces: tuple[bytes | memoryview, ...]
 
     def __bytes__(self) -> bytes:
         return b"".join(self.pieces)
@@ -79,14 +79,14 @@ class Body:
         return sum(len(p) for p in self.pieces)
 
 
-def ids_json(token_ids: Sequence[int]) -> list[bytes]:
+def ids_json(token_ids: Sequence[int]) -> list[bytes | memoryview]:
     """`token_ids` as the text of a JSON array without spaces, in pieces. A prompt is ~100k
     ids, written into the prefill and the decode body: `json.dumps` of the list was the
     router's largest CPU cost in the 200-agent soak's profile (~18 ms per 100k ids); orjson
     writes them in ~1 ms, and a `PagedPrompt` keeps its text (the branch's last turn's, but for
-    what this turn added) and copies it out in pieces."""
+    what this turn added) and lends it in pieces, nothing copied."""
     if isinstance(token_ids, PagedPrompt):
-        return token_ids.json_pieces()
+        return [b"[", *[memoryview(t) for t in token_ids.text()], b"]"]
     return [orjson.dumps(token_ids if isinstance(token_ids, list | tuple) else list(token_ids))]
 
 

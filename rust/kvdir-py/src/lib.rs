@@ -89,6 +89,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::KvDirectory>()?;
     m.add_class::<directory::PrefixMatch>()?;
     m.add_class::<prompt::PyPagedPrompt>()?;
+    m.add_class::<prompt::PyPromptText>()?;
     m.add_class::<prompt::PyPageHashes>()?;
     errors::register(m)?;
     Ok(())

@@ -26,7 +26,7 @@ pub use branches::BranchId;
 pub use directory::{Directory, Stats};
 pub use error::{Error, Result};
 pub use hash::{block_hashes, common_prefix, trace_chain};
-pub use prompt::PagedPrompt;
+pub use prompt::{PagedPrompt, Text as PromptText};
 pub use matching::PrefixMatch;
 
 /// A block: its SGLang page hash, as a signed 64-bit int.

@@ -23,7 +23,8 @@ struct Chunk {
     ids: Vec<u32>,
     /// The digest of each full page within `ids`.
     digests: Vec<[u8; 32]>,
-    /// The ids in decimal, comma-separated: this chunk's part of the JSON array.
+    /// The ids in decimal, each after a comma: this chunk's part of the JSON array (the
+    /// prompt's first comma is its `[`), so that chunks join with no separator between them.
     text: Vec<u8>,
 }
 
@@ -37,24 +38,21 @@ impl Chunk {
         }
     }
 
-    /// Where the text of the first `n` ids ends: at the comma after the last of them, found
-    /// from whichever end is nearer.
+    /// Where the text of the first `n` ids ends: at the comma before id `n`, found from
+    /// whichever end is nearer.
     fn text_end(&self, n: usize) -> usize {
         let len = self.ids.len();
         if n >= len {
             return self.text.len();
         }
-        if n == 0 {
-            return 0;
-        }
         let commas = self.text.iter().enumerate().filter(|&(_, &b)| b == b',');
-        let at = if n <= len - n {
-            commas.map(|(i, _)| i).nth(n - 1)
+        let at = if n < len - n {
+            commas.map(|(i, _)| i).nth(n)
         } else {
-            // The comma after id `n - 1` is the (len - n)th from the end.
+            // The comma before id `n` is the (len - n)th from the end.
             commas.map(|(i, _)| i).nth_back(len - n - 1)
         };
-        at.expect("one comma between each two ids")
+        at.expect("one comma before each id")
     }
 
     /// Appends `ids`: their text, and the digests of the pages they complete, chained from
@@ -66,11 +64,9 @@ impl Chunk {
         let start = self.digests.len() * page_size;
         self.ids.extend_from_slice(ids);
         push_digests(&mut self.digests, prior, &self.ids[start..], page_size);
-        let comma = usize::from(!self.text.is_empty());
         let at = self.text.len();
-        let len = at + comma + digits_len(ids);
-        self.text.resize(len, b',');
-        write_digits(ids, &mut self.text[at + comma..]);
+        self.text.resize(at + digits_len(ids), b',');
+        write_digits(ids, &mut self.text[at..]);
     }
 
     fn bytes(&self) -> usize {
@@ -190,7 +186,8 @@ impl PagedPrompt {
     #[must_use]
     pub fn json_len(&self) -> usize {
         let text: usize = self.chunks.iter().map(|c| c.text.len()).sum();
-        text + self.chunks.len().saturating_sub(1) + 2
+        // The first comma is the `[`; `[]` without one.
+        text + 2 - usize::from(text > 0)
     }
 
     /// Writes `json`'s text into `out`, which is `json_len` bytes long (so that a caller can
@@ -204,28 +201,24 @@ impl PagedPrompt {
             self.json_len(),
             "write_json: out must be json_len bytes"
         );
-        let mut at = 0;
-        for piece in self.json_pieces() {
-            for part in piece {
-                out[at..at + part.len()].copy_from_slice(part);
-                at += part.len();
-            }
+        out[0] = b'[';
+        let mut at = 1;
+        for piece in self.text() {
+            let text = piece.as_bytes();
+            out[at..at + text.len()].copy_from_slice(text);
+            at += text.len();
         }
+        out[at] = b']';
     }
 
-    /// `json`'s text as it is kept, piece by piece: each chunk's text with the bracket or comma
-    /// before it, the closing bracket after the last (a body can be sent as these pieces, with
-    /// no buffer the size of the prompt).
-    pub fn json_pieces(&self) -> impl Iterator<Item = [&[u8]; 3]> + '_ {
-        let last = self.chunks.len().saturating_sub(1);
-        let empty: [&[u8]; 3] = [b"[", b"", b"]"];
-        let pieces = self.chunks.iter().enumerate().map(move |(i, c)| {
-            let before: &[u8] = if i == 0 { b"[" } else { b"," };
-            let after: &[u8] = if i == last { b"]" } else { b"" };
-            [before, &c.text[..], after]
-        });
-        // An empty prompt is one piece, "[]".
-        std::iter::once(empty).filter(|_| self.chunks.is_empty()).chain(pieces)
+    /// The text between `json`'s brackets as it is kept, one piece a chunk, each holding its
+    /// chunk (a body can be sent as `[`, these, `]`: no buffer the size of the prompt).
+    pub fn text(&self) -> impl Iterator<Item = Text> + '_ {
+        self.chunks.iter().enumerate().map(|(i, c)| Text {
+            chunk: Arc::clone(c),
+            // The prompt's first comma is not part of the array's text.
+            skip: usize::from(i == 0),
+        })
     }
 
     /// The block hash of every full page.
@@ -283,6 +276,22 @@ impl PagedPrompt {
     }
 }
 
+/// A chunk's text (`PagedPrompt::text`), kept alive by this handle; chunks never change once
+/// shared.
+#[derive(Clone, Debug)]
+pub struct Text {
+    chunk: Arc<Chunk>,
+    skip: usize,
+}
+
+impl Text {
+    /// The text.
+    #[must_use]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.chunk.text[self.skip..]
+    }
+}
+
 /// Ids with a precomputed decimal text (`PagedPrompt::json`): 128k covers most vocabularies.
 const DIGITS_TABLE: usize = 1 << 17;
 
@@ -318,10 +327,10 @@ fn digits_len(ids: &[u32]) -> usize {
             None => decimal_len(t),
         })
         .sum();
-    digits + ids.len().saturating_sub(1)
+    digits + ids.len()
 }
 
-/// `ids` in decimal, comma-separated, into `out` (exactly `digits_len(ids)` bytes). Ids below
+/// `ids` in decimal, each after a comma, into `out` (exactly `digits_len(ids)` bytes). Ids below
 /// `DIGITS_TABLE` (every vocabulary's most common ones) are copied from a table of their digits
 /// 8 bytes at a time (~2x `itoa` per id), but the last few, where 8 bytes would run past
 /// `out`, by their length.
@@ -330,11 +339,9 @@ fn write_digits(ids: &[u32], out: &mut [u8]) {
     let mut digits = itoa::Buffer::new();
     let end = out.len();
     let mut at = 0;
-    for (i, &t) in ids.iter().enumerate() {
-        if i > 0 {
-            out[at] = b',';
-            at += 1;
-        }
+    for &t in ids {
+        out[at] = b',';
+        at += 1;
         if let Some(entry) = table.get(t as usize) {
             let len = usize::from(entry[7]);
             if at + 8 <= end {
@@ -388,7 +395,8 @@ mod tests {
         let e = PagedPrompt::new(second.clone(), 32, Some(&b)).unwrap();
         assert_eq!(e.reused(), 0);
         assert_eq!(hashes(&e), block_hashes(&second, 32).unwrap());
-        assert_eq!(b.bytes(), 1500 * 4 + 93 * 32 + b.json_len() - 2);
+        // The text: every id after a comma (the first comma is the `[` of `json`).
+        assert_eq!(b.bytes(), 1500 * 4 + 93 * 32 + b.json_len() - 1);
         assert!(PagedPrompt::new(first, 0, None).is_err());
     }
 
@@ -459,7 +467,11 @@ mod tests {
         assert_eq!(p.pages(), want.len() / page);
         let text: Vec<String> = want.iter().map(u32::to_string).collect();
         assert_eq!(p.json(), format!("[{}]", text.join(",")).into_bytes());
-        let pieces: Vec<u8> = p.json_pieces().flatten().flatten().copied().collect();
+        let mut pieces = b"[".to_vec();
+        for t in p.text() {
+            pieces.extend_from_slice(t.as_bytes());
+        }
+        pieces.push(b']');
         assert_eq!(pieces, p.json());
         let chunked = p.chunks.iter().all(|c| c.ids.len() <= p.chunk);
         assert!(chunked && p.chunk % page == 0);
