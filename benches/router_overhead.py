@@ -12,7 +12,10 @@ without it (`--turn-cache-mib 0`), side by side in one run, in `--rounds` rounds
 through every context (a 2-core VM's speed drifts by ~20% over minutes; interleaving puts the
 drift into every column alike). Each context size is measured alone, on a router of its own:
 one serving long and short contexts at once ran the short ones ~2x slower here (its caches
-shared with the long ones' bytes), which flatters the ratio of long to short.
+shared with the long ones' bytes), which flatters the ratio of long to short. The agents run on
+the router's event loop (`--client inline`, the default) or in a process of their own
+(`--client process`: the body then streams in while the router reads it, and that wait counts
+as overhead, as it does in the router's metric).
 
 Tokenizers: `bpe`, a byte-level BPE of 32k tokens trained here on the project's own sources and
 docs (~3.6 characters a token; a real model's vocabulary is larger, and tokenizes ~1.5-2x
@@ -188,8 +191,8 @@ def router_app(tokenizer: Tokenizer, seen: Overheads, cache_mib: int) -> web.App
 
 def measure(tokenizer: Tokenizer, text: Text, context: int, cache_mib: int) -> list[float]:
     """The warm turns' overheads, in seconds, of `--agents` agents of `context` tokens on a
-    router of their own; the agents in a process of their own (`--client process`: their
-    JSON is not the router's to write, nor are the caches it leaves cold) or in the router's."""
+    router of their own; the agents on its event loop or in a process of their own
+    (`--client`)."""
     seen = Overheads(PlannerFeed(Slices(600.0, block_tokens=PAGE)))  # as `LivePlanner` keeps it
     app = router_app(tokenizer, seen, cache_mib)
     sock = socket.create_server(("127.0.0.1", 0))
@@ -235,10 +238,11 @@ def main() -> None:
                    " the replayer sends): default %(default)s")  # fmt: skip
     p.add_argument("--cache-only", action="store_true",
                    help="leave out the runs without the turn cache (the slow ones)")  # fmt: skip
-    p.add_argument("--client", choices=("process", "inline"), default="process",
-                   help="the agents in a process of their own (default), or on the router's"
-                   " event loop (their JSON encoding then runs between the router's requests,"
-                   " leaving its caches cold)")  # fmt: skip
+    p.add_argument("--client", choices=("inline", "process"), default="inline",
+                   help="the agents on the router's event loop (default: their JSON encoding"
+                   " runs between the router's requests and leaves its caches cold), or in a"
+                   " process of their own (the body then streams in while the router reads it,"
+                   " and the read counts that time)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the figures here too")
     args = p.parse_args()
