@@ -253,7 +253,7 @@ def main() -> None:
     # The allocator as `evolving-infra router` sets it (`EVOLVING_INFRA_MALLOC=default`: glibc's
     # own): its fixed mmap threshold maps every buffer over 128 KiB afresh, so a 100k-token
     # turn's bodies and kept prompt (~3 MB) fault their pages in again each request.
-    tuned = malloc.tune(malloc.ROUTER_MMAP_THRESHOLD)
+    tuned = malloc.tune()
     text = corpus()
     tokenizer = train_bpe(text) if args.tokenizer == "bpe" else ByteTokenizer()
     # A busy router's BPE word cache is full (Hugging Face `tokenizers` keeps the first 10,000

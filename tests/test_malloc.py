@@ -10,36 +10,30 @@ import sys
 
 import pytest
 
-# In a fresh process: free one buffer of `size` (4 MiB unless said: glibc's dynamic threshold rises
-# to its size), then count the mmapped chunks while a second one is alive.
+# In a fresh process: free one 4 MiB buffer (glibc's dynamic threshold rises to its size), then
+# count the mmapped chunks while a second one is alive.
 PROBE = """
 import ctypes, ctypes.util, json, sys
 from evolving_infra import malloc
-size = int(sys.argv[2])
-threshold = malloc.ROUTER_MMAP_THRESHOLD if sys.argv[1] == "router" else malloc.MMAP_THRESHOLD
-tuned = malloc.tune(threshold) if sys.argv[1] != "plain" else False
+tuned = malloc.tune() if sys.argv[1] != "plain" else False
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                  "uordblks", "fordblks", "keepcost")]
 libc.mallinfo2.restype = Info
-first = bytearray(size)
+first = bytearray(4 << 20)
 del first
 before = libc.mallinfo2().hblks
-second = bytearray(size)
+second = bytearray(4 << 20)
 print(json.dumps({"tuned": tuned, "mmapped": libc.mallinfo2().hblks - before}))
 """
 
 
-def probe(mode: str, size: int = 4 << 20) -> dict[str, object]:
+def probe(mode: str) -> dict[str, object]:
     env = {**os.environ, "EVOLVING_INFRA_MALLOC": "default" if mode == "off" else ""}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode, str(size)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env, check=True
     )
     return dict(json.loads(out.stdout))
 
@@ -49,13 +43,3 @@ def test_tuned_processes_keep_large_buffers_out_of_the_heap() -> None:
     assert probe("plain") == {"tuned": False, "mmapped": 0}  # glibc moved it to the heap
     assert probe("tune") == {"tuned": True, "mmapped": 1}
     assert probe("off") == {"tuned": False, "mmapped": 0}  # EVOLVING_INFRA_MALLOC=default
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux")
-def test_the_router_takes_sub_megabyte_buffers_from_the_heap() -> None:
-    # A 100k-token body's buffers (~0.5 MB): mapped afresh each time at the engines' threshold,
-    # reused from the heap at the router's; megabyte buffers stay mapped at both.
-    half = 512 << 10
-    assert probe("tune", half) == {"tuned": True, "mmapped": 1}
-    assert probe("router", half) == {"tuned": True, "mmapped": 0}
-    assert probe("router") == {"tuned": True, "mmapped": 1}

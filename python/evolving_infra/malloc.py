@@ -8,13 +8,6 @@ and, freed, stay there as fragments the process keeps: under `make soak` the eng
 bytes grew from ~35 to ~100 MiB in five minutes while what they used did not (`memtrace.py`
 figures in docs/reliability.md). Fixing the threshold keeps large transient buffers out of the
 heap. `EVOLVING_INFRA_MALLOC=default` leaves glibc's behaviour alone.
-
-The router fixes it higher (`ROUTER_MMAP_THRESHOLD`, 1 MiB): its per-request buffers are the
-body as received, ~0.4-0.6 MB at 100k tokens, in asyncio's 256 KiB reads, the HTTP parser's
-copies and the joined body, and each mapped afresh had its pages faulted in again: reading a
-100k-token body took ~0.22 ms instead of ~0.05 ms (issue 29). Under 1 MiB they come from the
-heap and are reused; the megabyte buffers (the engines' event batches, the directory's tables)
-stay mapped.
 """
 
 from __future__ import annotations
@@ -27,15 +20,14 @@ import os
 ENV = "EVOLVING_INFRA_MALLOC"
 M_MMAP_THRESHOLD = -3  # glibc's `mallopt` parameter numbers (malloc.h)
 MMAP_THRESHOLD = 128 * 1024  # glibc's default, fixed: setting it turns the dynamic rise off
-ROUTER_MMAP_THRESHOLD = 1 << 20  # the router's (see the module docstring)
 
 
-def tune(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fixes glibc's mmap threshold at `mmap_threshold` bytes (see the module docstring); False
-    where there is nothing to tune (not glibc, or turned off by `EVOLVING_INFRA_MALLOC=default`)."""
+def tune() -> bool:
+    """Fixes glibc's mmap threshold (see the module docstring); False where there is nothing to
+    tune (not glibc, or turned off by `EVOLVING_INFRA_MALLOC=default`)."""
     if os.environ.get(ENV, "") == "default":
         return False
     with contextlib.suppress(OSError, AttributeError, TypeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return False

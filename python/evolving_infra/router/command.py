@@ -68,6 +68,6 @@ def run(args: argparse.Namespace) -> int:
         )
     check_listen(cfg.host, cfg.port, "--port")
     configure_json_logging(cfg.log_level)
-    malloc.tune(malloc.ROUTER_MMAP_THRESHOLD)
+    malloc.tune()
     memtrace.install("router")  # opt-in: EVOLVING_INFRA_MEMTRACE
     return asyncio.run(serve(cfg))
