@@ -25,6 +25,7 @@ __all__ = [
     "PagedPrompt",
     "ParentMismatchError",
     "PrefixMatch",
+    "PromptText",
     "UnknownBranchError",
     "UnknownParentError",
     "__version__",
@@ -78,6 +79,7 @@ class PromptText:
     def __len__(self) -> int: ...
     def __bytes__(self) -> bytes: ...
 
+@final
 class PagedPrompt(Sequence[int]):
     """A prompt's token ids and the digests of its full pages (SGLang 0.5.23 page hashes),
     reusing those of `after` for the pages both prompts start with: the router keeps one per

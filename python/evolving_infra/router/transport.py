@@ -93,7 +93,7 @@ def ids_json(token_ids: Sequence[int]) -> list[bytes | memoryview]:
 def pd_bodies(
     req: PreparedRequest, prefill: EngineHandle, room: int, attempt: int, max_tokens: int
 ) -> tuple[Body, Body]:
-    """The `/generate` bodies of the prefill and the decode engine, as JSON bytes: the same
+    """The `/generate` bodies of the prefill and the decode engine, JSON in pieces: the same
     request with the prefill engine's bootstrap address and the `room` both sides meet in,
     streamed to the decode side only, its token ids encoded once for both. `max_tokens`: the
     router's default when the request gives none."""
@@ -225,6 +225,7 @@ class _Pieces(aiohttp.payload.Payload):
     """A `Body` sent piece by piece, its length known (no chunked encoding)."""
 
     _value: Body
+    _autoclose = True  # bytes and views: nothing to close
 
     def __init__(self, body: Body) -> None:
         super().__init__(body, content_type=_JSON["Content-Type"])

@@ -26,8 +26,8 @@ pub use branches::BranchId;
 pub use directory::{Directory, Stats};
 pub use error::{Error, Result};
 pub use hash::{block_hashes, common_prefix, trace_chain};
-pub use prompt::{PagedPrompt, Text as PromptText};
 pub use matching::PrefixMatch;
+pub use prompt::{PagedPrompt, Text as PromptText};
 
 /// A block: its SGLang page hash, as a signed 64-bit int.
 pub type BlockHash = i64;

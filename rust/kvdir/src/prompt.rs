@@ -223,7 +223,9 @@ impl PagedPrompt {
 
     /// The block hash of every full page.
     pub fn hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
-        self.chunks.iter().flat_map(|c| c.digests.iter().map(hash_of))
+        self.chunks
+            .iter()
+            .flat_map(|c| c.digests.iter().map(hash_of))
     }
 
     /// Full pages (`hashes`' count).
@@ -453,7 +455,11 @@ mod tests {
             .zip(&b.chunks)
             .take_while(|(x, y)| Arc::ptr_eq(x, y))
             .count();
-        assert_eq!(shared, 19_997 / a.chunk, "every chunk wholly kept is shared");
+        assert_eq!(
+            shared,
+            19_997 / a.chunk,
+            "every chunk wholly kept is shared"
+        );
         assert_eq!(b.get(19_996), Some(19_996));
         assert_eq!(b.get(19_997), Some(1));
         assert_eq!(b.get(20_497), None);
