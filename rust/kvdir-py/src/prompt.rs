@@ -82,16 +82,7 @@ impl PyPagedPrompt {
     }
 
     fn __getitem__<'py>(&self, item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        if item.cast::<PySlice>().is_err() {
-            let i: isize = item.extract()?;
-            let n = self.inner.len() as isize;
-            let at = if i < 0 { i + n } else { i };
-            return match usize::try_from(at).ok().and_then(|a| self.inner.get(a)) {
-                Some(t) => Ok(t.into_pyobject(item.py())?.into_any()),
-                None => Err(PyIndexError::new_err("index out of range")),
-            };
-        }
-        index(item, &self.inner.ids().collect::<Vec<_>>())
+        index(item, self.inner.len(), |i| self.inner.get(i))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
@@ -187,7 +178,7 @@ impl PyPageHashes {
     }
 
     fn __getitem__<'py>(&self, item: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        index(item, &self.hashes)
+        index(item, self.hashes.len(), |i| self.hashes.get(i).copied())
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
@@ -212,23 +203,32 @@ impl PyPageHashes {
     }
 }
 
-/// `items[item]` as Python indexes a list: an int (negative from the end), or a slice (a list).
-fn index<'py, T>(item: &Bound<'py, PyAny>, items: &[T]) -> PyResult<Bound<'py, PyAny>>
+/// `items[item]` as Python indexes a list of `len` items, item `i` being `get(i)`: an int
+/// (negative from the end), or a slice (a list).
+fn index<'py, T>(
+    item: &Bound<'py, PyAny>,
+    len: usize,
+    get: impl Fn(usize) -> Option<T>,
+) -> PyResult<Bound<'py, PyAny>>
 where
-    T: Copy + Into<i64>,
+    T: Into<i64>,
 {
     let py = item.py();
+    let at = |i: isize| usize::try_from(i).ok().and_then(&get);
     if let Ok(slice) = item.cast::<PySlice>() {
-        let s = slice.indices(items.len() as isize)?;
+        let s = slice.indices(len as isize)?;
         let picked: Vec<i64> = (0..s.slicelength)
-            .map(|i| items[(s.start + i as isize * s.step) as usize].into())
+            .map(|i| {
+                at(s.start + i as isize * s.step)
+                    .expect("in the slice's range")
+                    .into()
+            })
             .collect();
         return Ok(PyList::new(py, picked)?.into_any());
     }
     let i: isize = item.extract()?;
-    let at = if i < 0 { i + items.len() as isize } else { i };
-    match usize::try_from(at).ok().and_then(|a| items.get(a)) {
-        Some(&t) => Ok(t.into().into_pyobject(py)?.into_any()),
+    match at(if i < 0 { i + len as isize } else { i }) {
+        Some(t) => Ok(t.into().into_pyobject(py)?.into_any()),
         None => Err(PyIndexError::new_err("index out of range")),
     }
 }
