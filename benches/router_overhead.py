@@ -252,7 +252,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The allocator as `evolving-infra router` sets it (`EVOLVING_INFRA_MALLOC=default`: glibc's
     # own): its fixed mmap threshold maps every buffer over 128 KiB afresh, so a 100k-token
-    # turn's bodies and kept prompt (~3 MB) fault their pages in again each request.
+    # turn's body as received (~0.5 MB) faults its pages in again each request.
     tuned = malloc.tune()
     text = corpus()
     tokenizer = train_bpe(text) if args.tokenizer == "bpe" else ByteTokenizer()

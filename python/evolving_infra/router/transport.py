@@ -225,6 +225,7 @@ class _Pieces(aiohttp.payload.Payload):
     """A `Body` sent piece by piece, its length known (no chunked encoding)."""
 
     _value: Body
+    _size: int  # set from the body: never unknown
     _autoclose = True  # bytes and views: nothing to close
 
     def __init__(self, body: Body) -> None:
@@ -235,14 +236,13 @@ class _Pieces(aiohttp.payload.Payload):
         return bytes(self._value).decode(encoding, errors)
 
     async def write(self, writer: AbstractStreamWriter) -> None:
-        for piece in self._value.pieces:
-            await writer.write(piece)
+        await self.write_with_length(writer, None)
 
     async def write_with_length(
         self, writer: AbstractStreamWriter, content_length: int | None
     ) -> None:
         # A Content-Length below the body's cuts it, as aiohttp's own payloads do.
-        left = len(self._value) if content_length is None else content_length
+        left = self._size if content_length is None else content_length
         for piece in self._value.pieces:
             if left <= 0:
                 return
