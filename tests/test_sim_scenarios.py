@@ -27,6 +27,8 @@ def test_every_scenario_builds(name: str, quick: bool) -> None:
     for r in runs:
         if name == "heldout":  # its own seeds, offset by --seed
             assert r.config.seed - 3 in heldout.HELD_OUT_SEEDS
+        elif name == "tuning":
+            assert r.config.seed - 3 in heldout.TUNE_SEEDS
         else:
             assert r.config.seed == 3
         assert r.config.duration == r.workload.duration
@@ -320,6 +322,22 @@ def test_the_held_out_protocol_keeps_its_halves_apart() -> None:
     assert len(names) >= 12
 
 
+def test_the_tuning_grid_draws_on_the_tuning_half_only() -> None:
+    for name in LEVELS_BY_DEPLOYMENT:
+        cells = heldout.tuning_cells(name)
+        assert cells and {c.seed for c in cells} == set(heldout.TUNE_SEEDS)
+        assert "claude-code-held" not in {c.kind for c in cells}
+        assert "mooncake" not in {c.kind for c in cells}  # the Mooncake trace is held out
+        assert not {c.label for c in cells} & {c.label for c in heldout.cells(name)}
+    tune = {a.namespace.split("@")[0] for a in heldout.tune_pool().agents}
+    held = {a.namespace.split("@")[0] for a in heldout.held_out_pool().agents}
+    assert len(tune) >= 12
+    assert not tune & held
+    paper = SCENARIOS["tuning"].runs(Size(deployment=PAPER_DEPLOYMENT))
+    assert [r.label for r in paper] == [c.label for c in heldout.tuning_cells("paper")]
+    assert {r.workload.kind for r in paper} == {"claude-code-tune", "osworld", "putnam"}
+
+
 def verdict_of(cells: dict[str, tuple[float, float, int]]) -> str:
     runs = {
         label: {
@@ -335,6 +353,21 @@ def verdict_of(cells: dict[str, tuple[float, float, int]]) -> str:
         for label, (evo, best, switches) in cells.items()
     }
     return holds_on_held_out(runs).outcome
+
+
+def test_the_tuning_grid_holds_to_the_same_bar() -> None:
+    runs = {
+        label: {
+            "policies": {
+                "evolving": {"throughput_tokens_per_s": evo, "switches": 2, "duration_s": 3600.0},
+                "best-static": {"throughput_tokens_per_s": 100.0},
+            }
+        }
+        for label, evo in (("a", 99.0), ("b", 97.0))
+    }
+    verdict = claims.holds_on_grid(runs)
+    assert verdict.outcome == "partly" and "tuning grid" in verdict.claim
+    assert "not in b" in verdict.why
 
 
 def test_holds_on_held_out_needs_every_cell() -> None:

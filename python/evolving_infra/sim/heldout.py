@@ -12,7 +12,8 @@ giving Mooncake's fresh prompts eight prefill nodes, which led to its queueing m
 is on seeds 4 and 5, which no change was judged on. The `heldout` scenario runs every held-out
 cell with `evolving` and `best-static`; `holds_on_held_out` is the issue's bar: evolving at
 least 0.98x the best static split in every cell, with at most 4 switches per simulated hour
-(every cell is stationary).
+(every cell is stationary). The `tuning` scenario runs the tuning grid (`TUNING_KINDS`) the same
+way: a planner change is judged there, and the held-out grid is run once it is made.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def held_out_files() -> list[Path]:
 
 
 @functools.cache
+def tune_pool() -> Trace:
+    """The tuning half of the Claude Code conversations (once per process)."""
+    from evolving_infra.workloads.sampling import load_pool
+
+    return load_pool(tune_files())
+
+
+@functools.cache
 def held_out_pool() -> Trace:
     """The held-out Claude Code conversations, to draw sessions from (once per process)."""
     from evolving_infra.workloads.sampling import load_pool
@@ -73,10 +82,13 @@ class Cell:
         return f"{self.kind}-{self.agents}-s{self.seed}"
 
 
+# deployment -> workload kind -> agent counts on 36 GPUs
+Grid = dict[str, dict[str, tuple[int, ...]]]
+
 # Agent counts between the scenario levels of each deployment (`scenarios.LEVELS`: cc
 # 20/100/250, OSWorld 15/80/200, Putnam 4/15/50 on the H100s; `PAPER_LEVELS`: 50/150/300,
 # 40/400/600, 15/100/200), and the Mooncake trace at two loads.
-HELD_OUT_KINDS = {
+HELD_OUT_KINDS: Grid = {
     "h100-llama": {
         "claude-code-held": (60, 150),
         "osworld": (40, 120),
@@ -92,14 +104,40 @@ HELD_OUT_KINDS = {
 }
 
 
+# The tuning grid (the `tuning` scenario): what a planner change is judged on before the
+# held-out grid is run. The tuning conversations, the tuning seeds, the levels' agent counts and
+# the counts earlier changes were judged on (Claude Code at 60 and 126 on the H100s).
+TUNING_KINDS: Grid = {
+    "h100-llama": {
+        "claude-code-tune": (60, 100, 126),
+        "osworld": (80, 200),
+        "putnam": (15, 50),
+    },
+    "paper": {
+        "claude-code-tune": (150, 300),
+        "osworld": (400, 600),
+        "putnam": (100, 200),
+    },
+}
+
+
 def cells(deployment: str) -> tuple[Cell, ...]:
     """The held-out cells of a deployment named in `HELD_OUT_KINDS` (others: the H100s')."""
-    kinds = HELD_OUT_KINDS.get(deployment, HELD_OUT_KINDS["h100-llama"])
+    return _grid(HELD_OUT_KINDS, deployment, HELD_OUT_SEEDS)
+
+
+def tuning_cells(deployment: str) -> tuple[Cell, ...]:
+    """The tuning cells of a deployment named in `TUNING_KINDS` (others: the H100s')."""
+    return _grid(TUNING_KINDS, deployment, TUNE_SEEDS)
+
+
+def _grid(grids: Grid, deployment: str, seeds: tuple[int, ...]) -> tuple[Cell, ...]:
+    kinds = grids.get(deployment, grids["h100-llama"])
     return tuple(
         Cell(kind, agents, seed)
         for kind, counts in kinds.items()
         for agents in counts
-        for seed in HELD_OUT_SEEDS
+        for seed in seeds
     )
 
 

@@ -54,6 +54,7 @@ from evolving_infra.sim.claims import (
     baselines_below_best_static,
     beats_baselines,
     evolving_vs_best_static,
+    holds_on_grid,
     holds_on_held_out,
     infrastructure_alone,
     initial_splits_converge,
@@ -170,6 +171,7 @@ def _claude_code_pool() -> Trace:
 # held-out half of them, the Mooncake conversation trace (`heldout.py`).
 TRACE_KINDS: dict[str, Callable[[], Trace]] = {
     CLAUDE_CODE: _claude_code_pool,
+    "claude-code-tune": heldout.tune_pool,
     "claude-code-held": heldout.held_out_pool,
     "mooncake": heldout.mooncake_pool,
 }
@@ -256,12 +258,20 @@ def _shift(size: Size) -> list[ScenarioRun]:
 
 
 def _heldout(size: Size) -> list[ScenarioRun]:
-    # Every held-out cell (`heldout.CELLS`) with evolving and the best static split; quick: 16
+    # Every held-out cell (`heldout.cells`) with evolving and the best static split; quick: 16
     # GPUs, 600 s, the first seed only.
+    return _grid(size, heldout.cells(deployment_name(size.deployment)))
+
+
+def _tuning(size: Size) -> list[ScenarioRun]:
+    # The tuning grid (`heldout.tuning_cells`), run as the held-out one.
+    return _grid(size, heldout.tuning_cells(deployment_name(size.deployment)))
+
+
+def _grid(size: Size, every: Sequence[heldout.Cell]) -> list[ScenarioRun]:
     gpus = QUICK_GPUS if size.quick else 36
     d = size.seconds(FULL_DURATION, QUICK_DURATION)
-    every = heldout.cells(deployment_name(size.deployment))
-    cells = [c for c in every if not size.quick or c.seed == heldout.HELD_OUT_SEEDS[0]]
+    cells = [c for c in every if not size.quick or c.seed == every[0].seed]
     return [
         ScenarioRun(
             c.label,
@@ -399,6 +409,16 @@ def _scenarios() -> dict[str, Scenario]:
         "~25 min / ~3 min",
         _heldout,
         (holds_on_held_out, evolving_vs_best_static),
+    )
+    out["tuning"] = Scenario(
+        "tuning",
+        "the tuning grid (sim/heldout.py): the tuning Claude Code conversations, generator seeds"
+        " and agent counts a planner change is judged on before the held-out grid is run;"
+        " evolving vs the best static split in every cell",
+        "evolving >= 0.98x the best static split in every cell, <= 4 switches per hour",
+        "~5 min / ~1 min",
+        _tuning,
+        (holds_on_grid, evolving_vs_best_static),
     )
     out["initial-splits"] = Scenario(
         "initial-splits",
