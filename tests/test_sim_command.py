@@ -209,3 +209,42 @@ def test_the_paper_deployment_and_its_overrides(tmp_path: Path) -> None:
         deployment_from(parse("--deployment", "paper", "--mtp-accepted", "5"))
     with pytest.raises(WorkloadError, match="tensor parallelism"):
         deployment_from(parse("--tp", "0"))
+
+
+def test_planner_options_reach_the_evolving_planner(tmp_path: Path) -> None:
+    """`--planner-option`: a run that switches once with the defaults does not when the planner
+    needs more slices than its window holds; the options are in the results."""
+    base = ("--workload", "osworld", "--gpus", "16", "--agents", "20", "--duration", "600")
+    switches = []
+    for extra in ((), ("--planner-option", "min_slices=11")):
+        out = tmp_path / str(len(extra))
+        args = parse(*base, "--policies", "evolving", "--out", str(out), "--no-progress", *extra)
+        assert command.run(args) == 0
+        results = json.loads((out / "results.json").read_text())
+        switches.append(results["policies"]["evolving"]["switches"])
+        assert results["config"]["planner_options"] == ({"min_slices": 11} if extra else {})
+    assert switches == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("nope=1", "unknown planner option 'nope'"),
+        ("min_gain", "expected NAME=VALUE"),
+        ("slices=2.5", "slices needs an integer"),
+        ("alpha=nan", "alpha must be finite"),
+    ],
+)
+def test_bad_planner_options_are_refused_by_argparse(
+    capsys: pytest.CaptureFixture[str], option: str, message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("--planner-option", option)
+    assert message in capsys.readouterr().err
+
+
+def test_planner_options_out_of_range_are_workload_errors(tmp_path: Path) -> None:
+    args = parse("--gpus", "8", "--agents", "1", "--duration", "60", "--planner-option", "alpha=2")
+    args.out = tmp_path
+    with pytest.raises(WorkloadError, match=r"refuses its options.*alpha"):
+        command.run(args)

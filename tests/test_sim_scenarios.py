@@ -95,7 +95,9 @@ def test_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_tiny_run_writes_results_and_report(tmp_path: Path) -> None:
     # Smaller than --quick: 2 agents for 90 simulated seconds, on the quick 16-GPU cluster.
-    size = Size(quick=True, seed=1, duration=90.0, max_agents=2)
+    size = Size(
+        quick=True, seed=1, duration=90.0, max_agents=2, planner_options=(("min_gain", 0.05),)
+    )
     path = scenario_command.run_to("ablations", size, tmp_path)
     assert path == tmp_path / "ablations" / "report.md"
     results = json.loads((tmp_path / "ablations" / "results.json").read_text())
@@ -112,6 +114,8 @@ def test_tiny_run_writes_results_and_report(tmp_path: Path) -> None:
         assert r["config"]["nodes"] == 4
         assert r["workload"]["agents"] == 2
         assert r["policies"]["evolving-fixed"]["switches"] == 0
+        assert r["config"]["planner_options"] == {"min_gain": 0.05}
+    assert results["planner_options"] == {"min_gain": 0.05}
     verdicts = {v["claim"]: v["outcome"] for v in results["claims"]}
     assert len(verdicts) == 5
     assert set(verdicts.values()) <= {"yes", "partly", "no", "n/a"}
@@ -120,6 +124,7 @@ def test_tiny_run_writes_results_and_report(tmp_path: Path) -> None:
     assert "| reproduced? |" in report
     assert "| evolving-fixed |" in report
     assert "Split over time" in report
+    assert "Planner options (evolving): min_gain=0.05." in report
 
 
 def test_check_recomputes_the_claims_of_results_on_disk(tmp_path: Path) -> None:
@@ -325,7 +330,8 @@ def test_the_held_out_protocol_keeps_its_halves_apart() -> None:
 def test_the_tuning_grid_draws_on_the_tuning_half_only() -> None:
     for name in LEVELS_BY_DEPLOYMENT:
         cells = heldout.tuning_cells(name)
-        assert cells and {c.seed for c in cells} == set(heldout.TUNE_SEEDS)
+        assert cells
+        assert {c.seed for c in cells} == set(heldout.TUNE_SEEDS)
         assert "claude-code-held" not in {c.kind for c in cells}
         assert "mooncake" not in {c.kind for c in cells}  # the Mooncake trace is held out
         assert not {c.label for c in cells} & {c.label for c in heldout.cells(name)}
@@ -333,6 +339,10 @@ def test_the_tuning_grid_draws_on_the_tuning_half_only() -> None:
     held = {a.namespace.split("@")[0] for a in heldout.held_out_pool().agents}
     assert len(tune) >= 12
     assert not tune & held
+    tried = Size(planner_options=(("min_gain", 0.04),))  # a change tried on the grid
+    assert all(
+        r.config.planner_options == tried.planner_options for r in SCENARIOS["tuning"].runs(tried)
+    )
     paper = SCENARIOS["tuning"].runs(Size(deployment=PAPER_DEPLOYMENT))
     assert [r.label for r in paper] == [c.label for c in heldout.tuning_cells("paper")]
     assert {r.workload.kind for r in paper} == {"claude-code-tune", "osworld", "putnam"}
@@ -366,7 +376,8 @@ def test_the_tuning_grid_holds_to_the_same_bar() -> None:
         for label, evo in (("a", 99.0), ("b", 97.0))
     }
     verdict = claims.holds_on_grid(runs)
-    assert verdict.outcome == "partly" and "tuning grid" in verdict.claim
+    assert verdict.outcome == "partly"
+    assert "tuning grid" in verdict.claim
     assert "not in b" in verdict.why
 
 

@@ -119,7 +119,7 @@ class Cluster:
         self.metrics = Recorder(bs)
         # Reuse tracking costs a dict update per arrival: only for a planner that reads it.
         tracked = planner is not None and planner.reads_reuse
-        self.slices = Slices(config.planner_window_s, block_tokens=bs if tracked else None)
+        self.slices = Slices(config.slices_window_s, block_tokens=bs if tracked else None)
         self.planner = planner
         # One record per decision of a planner that prices candidates (`Planner.decision`).
         self.decisions: list[dict[str, Any]] = []

@@ -13,6 +13,7 @@ from evolving_infra.argtypes import (
     positive_int,
     positive_seconds,
 )
+from evolving_infra.planner import options
 from evolving_infra.sim.config import DECODE_ALLOCATIONS, SWITCH_RESTART_S, SimConfig
 from evolving_infra.sim.deployments import add_deployment_arguments, deployment_from
 from evolving_infra.sim.plots import timelines
@@ -115,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(memory grows with each); results are the same as one at a time (default: 1)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_argument(parser)
 
 
 def load_trace(args: argparse.Namespace) -> Trace:
@@ -138,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             decode_allocation=args.decode_allocation,
             switch_restart_s=args.restart_s,
             pool_one_copy=args.pool_one_copy,
+            planner_options=tuple(args.planner_options),
         )
     except ValueError as e:
         raise WorkloadError(str(e)) from None

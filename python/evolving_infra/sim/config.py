@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from evolving_infra.nodemodel.hardware import HOST_MEMORY_PER_GPU, NodeHardware
+from evolving_infra.planner import options
 from evolving_infra.planner.base import Split
+from evolving_infra.planner.options import Option
 from evolving_infra.timing.specs import (
     ACTIVATION_RESERVE_PER_GPU,
     DEFAULT_DEPLOYMENT,
@@ -70,6 +72,9 @@ class SimConfig:
     decode_allocation: DecodeAllocation = "early"
     planner_interval: float | None = None  # None: the planner's own `interval`
     planner_window_s: float = 600.0  # slices handed to the planner: those of this past
+    # The evolving planner's settings (`planner.options`: `sim --planner-option NAME=VALUE`);
+    # a `window_s` longer than `planner_window_s` is handed that many slices.
+    planner_options: tuple[Option, ...] = ()
     metrics_interval: float = 60.0  # one timeline point per simulated minute
     sample_interval: float = 1.0  # node state (batch, queue, KV use) is sampled this often
     decode_span_cap: int = 64  # iterations a decode span may cover at most
@@ -114,6 +119,24 @@ class SimConfig:
             if s.prefill < 1 or s.decode < 1 or s.prefill + s.decode != self.nodes:
                 raise ValueError(f"initial split {s} is not a split of {self.nodes} nodes")
         _ = self.hardware  # `NodeHardware` raises when the weights leave no memory for KV
+        if self.planner_options:
+            from evolving_infra.planner.evolving import EvolvingPlanner
+
+            try:  # its checks, before a run
+                EvolvingPlanner(self.nodes, **self.evolving_options)
+            except ValueError as e:
+                raise ValueError(f"the evolving planner refuses its options: {e}") from None
+
+    @property
+    def evolving_options(self) -> dict[str, Any]:
+        """`planner_options` as the evolving planner's keyword arguments."""
+        return options.check(self.planner_options)
+
+    @property
+    def slices_window_s(self) -> float:
+        """How far back the slices handed to a planner reach."""
+        window = self.evolving_options.get("window_s")
+        return max(self.planner_window_s, window or 0.0)
 
     @property
     def nodes(self) -> int:
@@ -180,6 +203,7 @@ class SimConfig:
             "mtp_accepted": d.mtp_accepted,
         }
         out["initial_split"] = str(self.split())
+        out["planner_options"] = self.evolving_options
         out["block_size"] = block_size
         out["nodes"] = self.nodes
         out["l1_blocks_per_node"] = self.l1_blocks(block_size)

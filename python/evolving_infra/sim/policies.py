@@ -130,6 +130,7 @@ def _evolving_planner(ctx: PolicyContext) -> Planner:
         ctx.nodes,
         chunk_tokens=ctx.config.chunk_tokens,
         early_allocation=ctx.config.decode_allocation == "early",
+        **ctx.config.evolving_options,
     )
 
 

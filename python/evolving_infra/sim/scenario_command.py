@@ -14,6 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
+from evolving_infra.errors import CommandError
+from evolving_infra.planner import options
+from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.deployments import add_deployment_arguments, deployment_from
 from evolving_infra.sim.policies import SWEEPS
 from evolving_infra.sim.run import main_table
@@ -63,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_deployment_arguments(run, default="paper")
+    options.add_argument(run)
     check = sub.add_parser("check", help="recompute the claims of scenario results on disk")
     check.add_argument(
         "folders", type=Path, nargs="+", metavar="DIR/NAME", help="folders `run` wrote"
@@ -83,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         pool_one_copy=args.pool_one_copy,
         deployment=deployment_from(args),
+        planner_options=tuple(args.planner_options),
     )
+    try:  # settings the planner refuses: before the runs, not in the first one
+        SimConfig(deployment=size.deployment, planner_options=size.planner_options)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     check_output_folder(args.out, "--out")  # before the runs, not after them
     path = run_to(args.name, size, args.out, progress=not args.no_progress, jobs=args.jobs)
     print(path.read_text(encoding="utf-8"), end="")
@@ -161,6 +170,9 @@ def report(results: dict[str, Any]) -> str:
         f"What it shows: {results['shows']}.",
         f"Paper claim: {results['claim']}.",
     ]
+    if results.get("planner_options"):
+        given = ", ".join(f"{k}={v}" for k, v in results["planner_options"].items())
+        lines.append(f"Planner options (evolving): {given}.")
     if wall is not None:
         lines.append(f"Wall time: {wall:,.0f} s.")
     for label, r in results["runs"].items():

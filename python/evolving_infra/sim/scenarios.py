@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evolving_infra.planner.base import Split
+from evolving_infra.planner.options import Option
 from evolving_infra.sim import heldout
 from evolving_infra.sim.claims import (
     Check,
@@ -123,6 +124,8 @@ class Size:
     # The model, GPUs and serving setting. NOTE: the levels (`LEVELS`) were chosen on the
     # default one (Llama-3-70B on H100); on another they are loads, not the levels they name.
     deployment: Deployment = DEFAULT_DEPLOYMENT
+    # The evolving planner's settings (`planner.options`), for every run.
+    planner_options: tuple[Option, ...] = ()
 
     def agents(self, n: float) -> int:
         a = max(1, round(n))
@@ -213,6 +216,7 @@ def _config(gpus: int, size: Size, duration: float, seed: int | None = None) -> 
         seed=size.seed if seed is None else seed,
         duration=duration,
         pool_one_copy=size.pool_one_copy,
+        planner_options=size.planner_options,
     )
 
 
@@ -478,6 +482,7 @@ def run_scenario(
         "quick": size.quick,
         "seed": size.seed,
         "deployment": deployment_name(size.deployment),
+        "planner_options": {name: value for name, value in size.planner_options},
         "runs": {},
     }
     for i, run in enumerate(runs):

@@ -1,0 +1,83 @@
+"""The `evolving` planner's settings as `NAME=VALUE` options (`sim --planner-option`,
+`scenario run --planner-option`): what a change to the planner's rule is tried with on the
+tuning grid before its code changes (docs/scenarios.md, issue 25)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+# The EvolvingPlanner arguments an option may set, with their type (planner/evolving.py).
+# Those that the driver decides (nodes, chunk tokens, KV capacity, early allocation, memory) are
+# not options: they follow the simulated cluster.
+TUNABLES: dict[str, type] = {
+    "interval": float,
+    "window_s": float,
+    "slices": int,
+    "alpha": float,
+    "min_gain": float,
+    "max_step": int,
+    "min_slices": int,
+    "recent": float,
+    "shift_factor": float,
+}
+
+# Those whose default is None (off, or the whole gap): `none` sets them back to it.
+OPTIONAL = frozenset({"max_step", "recent", "shift_factor"})
+
+Option = tuple[str, float | None]
+
+
+def parse(text: str) -> Option:
+    """'min_gain=0.04' -> ('min_gain', 0.04); ValueError naming what is wrong."""
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ValueError(f"expected NAME=VALUE, got {text!r}")
+    if name not in TUNABLES:
+        raise ValueError(f"unknown planner option {name!r} (one of {', '.join(TUNABLES)})")
+    if name in OPTIONAL and value.strip().lower() == "none":
+        return name, None
+    try:
+        number = float(value) if TUNABLES[name] is float else int(value)
+    except ValueError:
+        kind = "a number" if TUNABLES[name] is float else "an integer"
+        raise ValueError(f"planner option {name} needs {kind}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"planner option {name} must be finite, got {value!r}")
+    return name, number
+
+
+def check(options: tuple[Option, ...]) -> dict[str, float | None]:
+    """The options as keyword arguments; ValueError for an unknown or repeated name (values out
+    of range: the planner's own checks, `SimConfig` builds one to run them)."""
+    out: dict[str, float | None] = {}
+    for name, value in options:
+        if name not in TUNABLES:
+            raise ValueError(f"unknown planner option {name!r} (one of {', '.join(TUNABLES)})")
+        if name in out:
+            raise ValueError(f"planner option {name} given twice")
+        out[name] = value
+    return out
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """`--planner-option NAME=VALUE`, repeatable, into `args.planner_options` (a tuple)."""
+    parser.add_argument(
+        "--planner-option",
+        dest="planner_options",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set one of the evolving planner's settings, repeatable: "
+        + ", ".join(TUNABLES)
+        + " (planner/evolving.py; `none` sets max_step, recent or shift_factor off)",
+    )
+
+
+def _option(text: str) -> Option:
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
