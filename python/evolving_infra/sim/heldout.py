@@ -87,7 +87,9 @@ Grid = dict[str, dict[str, tuple[int, ...]]]
 
 # Agent counts between the scenario levels of each deployment (`scenarios.LEVELS`: cc
 # 20/100/250, OSWorld 15/80/200, Putnam 4/15/50 on the H100s; `PAPER_LEVELS`: 50/150/300,
-# 40/400/600, 15/100/200), and the Mooncake trace at two loads.
+# 40/400/600, 15/100/200), and the Mooncake trace at two loads. On 2026-12-07 OSWorld at 120
+# and Claude Code at 150 were run on tuning seeds and conversations to diagnose a failure
+# (docs/scenarios.md, issue 25): the cells here were not, but those two counts were seen.
 HELD_OUT_KINDS: Grid = {
     "h100-llama": {
         "claude-code-held": (60, 150),
