@@ -313,6 +313,10 @@ def test_sglang_backend_on_a_taken_port_is_one_line_before_sglang_starts(
          "argument --turn-cache-mib: expected an int >= 0, got -1"),
         (["front", "--routers", "127.0.0.1:8001"],
          "argument --routers: a router replica is http://host:port, got '127.0.0.1:8001'"),
+        (["cluster", "up", "--planner-option", "interval=5"],
+         "argument --planner-option: interval is not an option here: use --planner-interval"),
+        (["sim", "--planner-option", "min_gain=x"],
+         "argument --planner-option: planner option min_gain needs a number, got 'x'"),
     ],
 )  # fmt: skip
 def test_bad_flag_values_are_one_error_line(
@@ -379,6 +383,8 @@ def _write(path: Path, text: str) -> Path:
         (["router", "--engines", "127.0.0.1:1", "127.0.0.1:2", "--port", "0",
           "--tokenizer", "{tmp}/missing.json"], "{tmp}/missing.json: not a tokenizer.json"),
         (["router", "--engines", "127.0.0.1:1"], "needs at least two, a prefill and a decode"),
+        (["cluster", "up", "--no-pool", "--planner-option", "min_slices=1", "--log-dir",
+          "{tmp}/logs"], "--planner-option: need nodes_total >= 2, slices >= 2"),
         (["scenario", "check", "{tmp}/empty"], "{tmp}/empty/results.json does not exist"),
         (["scenario", "check", "{tmp}"], "{tmp}/results.json does not exist"),
         (["engine", "--model", "llama-3-70b", "--tp", "1", "--port", "0"],
@@ -395,6 +401,7 @@ def test_what_a_user_can_get_wrong_is_one_line(
     line = error_line(capsys.readouterr().err, argv[0])
     assert words.format(tmp=tmp_path) in line, line
     assert not (tmp_path / "soak").exists()  # soak: the traces are read before a cluster starts
+    assert not list((tmp_path / "logs").glob("*.log"))  # cluster up: nothing was started
 
 
 def test_replay_to_no_router_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HfRaw
 from tokenizers import models, pre_tokenizers
 
 from evolving_infra import block_hashes
-from evolving_infra.cli import config_defaults
+from evolving_infra.cli import ConfigError, config_defaults
 from evolving_infra.router import api, config
 from evolving_infra.router.api import ChatMessage
 from evolving_infra.router.dispatcher import EngineFailedError, NoEngineError
@@ -611,3 +611,27 @@ def test_json_logging_renders_json_lines(capsys: pytest.CaptureFixture[str]) -> 
     assert record["event"] == "hello"
     assert record["n"] == 1
     assert record["level"] == "info"
+
+
+def test_planner_options_from_flags_and_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    toml = tmp_path / "router.toml"
+    toml.write_text('engines = ["a:1", "b:2"]\nplanner-option = ["min_gain=0.04", "slices=20"]\n')
+    p = _parser()
+    p.set_defaults(**config_defaults(p, toml))
+    c = config.RouterConfig.from_args(p.parse_args([]))
+    assert c.planner_options == (("min_gain", 0.04), ("slices", 20))
+    flags = ["--engines", "a:1", "b:2", "--planner-option", "window_s=1200"]
+    assert config.RouterConfig.from_args(_parser().parse_args(flags)).planner_options == (
+        ("window_s", 1200.0),
+    )
+    with pytest.raises(SystemExit):  # the router's interval is --planner-interval
+        _parser().parse_args(["--planner-option", "interval=5"])
+    assert "use --planner-interval" in capsys.readouterr().err
+    bad = _parser().parse_args(["--engines", "a:1", "b:2", "--planner-option", "alpha=1.5"])
+    with pytest.raises(config.RouterConfigError, match=r"planner-option.*alpha"):
+        config.RouterConfig.from_args(bad)
+    toml.write_text('engines = ["a:1"]\nplanner-option = ["nope=1"]\n')
+    with pytest.raises(ConfigError, match="planner-option: unknown planner option 'nope'"):
+        config_defaults(_parser(), toml)

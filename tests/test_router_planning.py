@@ -157,3 +157,15 @@ def test_the_planner_holds_while_an_engine_is_down_and_resumes_when_it_is_back()
     assert events.count("planner_resumed") == 1
     assert events.index("planner_resumed") < events.index("planner_decision")
     assert events.count("planner_decision") >= 2
+
+
+def test_the_live_planner_takes_the_planner_options() -> None:
+    """`router --planner-option`: the settings reach the evolving planner, and a longer window
+    keeps that much of the past in the slices it is handed."""
+    registry, _ = _still_planner()
+    settings = {"window_s": 1200.0, "slices": 20, "min_gain": 0.05, "max_step": 1}
+    lp = LivePlanner(registry, {}, IterationModel(), page_size=16, nodes=3, settings=settings)
+    p = lp.planner
+    assert (p.window_s, p.slices, p.min_gain, p.max_step) == (1200.0, 20, 0.05, 1)
+    assert lp.slices.window_s == 1200.0
+    assert LivePlanner(registry, {}, IterationModel(), page_size=16, nodes=3).slices.window_s == 600

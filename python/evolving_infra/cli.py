@@ -160,7 +160,8 @@ def _convert(action: argparse.Action, value: Any, path: Path, key: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: {key}: expected true or false, got {value!r}")
         return value
-    if action.nargs in ("+", "*"):
+    if action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction):
+        # A repeatable flag (--planner-option) takes a list in the file, as many times.
         return [one(v) for v in (value if isinstance(value, list) else [value])]
     return one(value)
 

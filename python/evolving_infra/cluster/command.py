@@ -51,6 +51,8 @@ from evolving_infra.engines.pool.errors import MooncakeMissingError
 from evolving_infra.engines.sim.command import check_deployment
 from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.errors import CommandError
+from evolving_infra.planner import options
+from evolving_infra.planner.evolving import EvolvingPlanner
 from evolving_infra.ports import LOOPBACK, PortInUseError, check_listen, free_ports, port_taken
 from evolving_infra.router.config import DEFAULT_SHUTDOWN_TIMEOUT
 from evolving_infra.router.replicas import redis_answers, redis_server_command
@@ -148,6 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--planner-interval", type=positive_seconds, default=60.0,
       help="seconds between the router's phase-split decisions (default: 60)")  # fmt: skip
+    options.add_argument(parser, without={"interval": "use --planner-interval"})
     a("--log-dir", type=Path, default=Path("cluster-logs"),
       help="folder of every process's log (default: cluster-logs)")  # fmt: skip
     a("--stop-on-failure", action="store_true",
@@ -233,6 +236,10 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
     # The user's errors first, before anything starts: a router port taken, a bad log folder.
     deployment = Deployment(MODELS[args.model], GPUS[args.gpu], args.tp)
     check_deployment(EngineSettings(deployment=deployment, page_size=args.page_size))
+    try:  # what the routers would refuse at start: refused here, before anything starts
+        EvolvingPlanner(n, **options.check(tuple(args.planner_option)))
+    except ValueError as e:
+        raise CommandError(f"--planner-option: {e}") from None
     if args.router_port:
         check_listen(LOOPBACK, args.router_port, "--router-port")
     if args.routers > 1 and shutil.which("redis-server") is None:
@@ -299,6 +306,8 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
         router_args = [*me, "router", "--engines", *(f"127.0.0.1:{g}" for g in grpc),
                        "--page-size", str(args.page_size),
                        "--planner-interval", str(args.planner_interval)]  # fmt: skip
+        for name, value in args.planner_option:  # on to every router replica
+            router_args += ["--planner-option", f"{name}={'none' if value is None else value}"]
         if args.no_planner:
             router_args.append("--no-planner")
         if args.no_admission:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 # The EvolvingPlanner arguments an option may set, with their type (planner/evolving.py).
 # Those that the driver decides (nodes, chunk tokens, KV capacity, early allocation, memory) are
@@ -48,10 +49,10 @@ def parse(text: str) -> Option:
     return name, number
 
 
-def check(options: tuple[Option, ...]) -> dict[str, float | None]:
+def check(options: tuple[Option, ...]) -> dict[str, Any]:
     """The options as keyword arguments; ValueError for an unknown or repeated name (values out
     of range: the planner's own checks, `SimConfig` builds one to run them)."""
-    out: dict[str, float | None] = {}
+    out: dict[str, Any] = {}  # Any: keyword arguments of several types (int, float, None)
     for name, value in options:
         if name not in TUNABLES:
             raise ValueError(f"unknown planner option {name!r} (one of {', '.join(TUNABLES)})")
@@ -61,23 +62,29 @@ def check(options: tuple[Option, ...]) -> dict[str, float | None]:
     return out
 
 
-def add_argument(parser: argparse.ArgumentParser) -> None:
-    """`--planner-option NAME=VALUE`, repeatable, into `args.planner_options` (a tuple)."""
+def add_argument(parser: argparse.ArgumentParser, *, without: dict[str, str] | None = None) -> None:
+    """`--planner-option NAME=VALUE`, repeatable, into `args.planner_option` (a list; a --config
+    file's `planner-option = ["NAME=VALUE", ...]`). `without`: names refused, each with what to
+    use instead (the router's `interval` is its --planner-interval)."""
+    refused = without or {}
+    names = [n for n in TUNABLES if n not in refused]
+
+    def option(text: str) -> Option:
+        try:
+            name, value = parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if name in refused:
+            raise argparse.ArgumentTypeError(f"{name} is not an option here: {refused[name]}")
+        return name, value
+
     parser.add_argument(
         "--planner-option",
-        dest="planner_options",
-        type=_option,
+        type=option,
         action="append",
         default=[],
         metavar="NAME=VALUE",
         help="set one of the evolving planner's settings, repeatable: "
-        + ", ".join(TUNABLES)
+        + ", ".join(names)
         + " (planner/evolving.py; `none` sets max_step, recent or shift_factor off)",
     )
-
-
-def _option(text: str) -> Option:
-    try:
-        return parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None

@@ -15,6 +15,8 @@ from pathlib import Path
 from evolving_infra.argtypes import natural_int, port, positive_int, positive_seconds, secret
 from evolving_infra.control.server import CONTROL_API_KEY_ENV
 from evolving_infra.logs import Level
+from evolving_infra.planner import options
+from evolving_infra.planner.options import Option
 from evolving_infra.router.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
 from evolving_infra.router.replicas import DEFAULT_TTL_S as DEFAULT_LEASE_TTL
 from evolving_infra.router.turns import DEFAULT_BUDGET_MIB
@@ -107,6 +109,8 @@ class RouterConfig:
     admission: bool = True  # False: dispatch at once, as SGLang's gateway (`router.admission`)
     kv_pull: bool = True  # False: never move another node's cached prefix (`router.kvpull`)
     planner_interval: float = DEFAULT_PLANNER_INTERVAL
+    # The evolving planner's other settings (`planner.options`; its interval is the one above).
+    planner_options: tuple[Option, ...] = ()
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     control_api_key: str | None = None  # sent to the engines' EngineControl services
@@ -143,6 +147,7 @@ class RouterConfig:
             admission=not args.no_admission,
             kv_pull=not args.no_kv_pull,
             planner_interval=args.planner_interval,
+            planner_options=_planner_options(args.planner_option, len(specs)),
             shutdown_timeout=args.shutdown_timeout,
             max_queue_wait=args.max_queue_wait,
             context_length=args.context_length,
@@ -332,6 +337,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--planner-interval",
         type=positive_seconds,
         default=DEFAULT_PLANNER_INTERVAL,
-        help="seconds between phase-split decisions; the window is ten of them"
-        f" (default: {DEFAULT_PLANNER_INTERVAL:g})",
+        help="seconds between phase-split decisions, each over the last 600 s in ten slices"
+        f" (--planner-option window_s=..., slices=...) (default: {DEFAULT_PLANNER_INTERVAL:g})",
     )
+    options.add_argument(parser, without={"interval": "use --planner-interval"})
+
+
+def _planner_options(given: list[Option], engines: int) -> tuple[Option, ...]:
+    """The planner options, refused here when the planner would refuse them (before any engine
+    is dialled)."""
+    from evolving_infra.planner.evolving import EvolvingPlanner
+
+    try:
+        EvolvingPlanner(max(engines, 2), **options.check(tuple(given)))
+    except ValueError as e:
+        raise RouterConfigError(f"planner-option: {e}") from None
+    return tuple(given)

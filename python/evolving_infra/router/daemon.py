@@ -36,6 +36,7 @@ from evolving_infra._core import KvDirectory
 from evolving_infra.control import EngineClient, EngineControlError, EngineInfo
 from evolving_infra.control.errors import EngineTimeoutError, EngineUnavailableError
 from evolving_infra.errors import CommandError
+from evolving_infra.planner import options
 from evolving_infra.router.app import build_app
 from evolving_infra.router.branches import BranchTracker
 from evolving_infra.router.config import RouterConfig
@@ -259,6 +260,7 @@ class RouterDaemon:
             self.model,
             page_size=cfg.page_size,
             interval=cfg.planner_interval,
+            settings=options.check(cfg.planner_options),
             enabled=cfg.planner,
             nodes=len(cfg.engines),
             lease=self.lease,

@@ -25,6 +25,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -71,10 +72,15 @@ class LivePlanner:
         enabled: bool = True,
         nodes: int | None = None,
         lease: LeaderLease | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         """`nodes`: engines the cluster has (default: one per client), including any that
         have not answered yet and join later (the daemon adds their clients to `clients`).
-        `lease`: with router replicas, decide only while holding it (module docstring)."""
+        `lease`: with router replicas, decide only while holding it (module docstring).
+        `settings`: the evolving planner's other settings (`planner.options`); a `window_s`
+        there replaces the one given here."""
+        kw = dict(settings or {})
+        window_s = float(kw.pop("window_s", None) or window_s)
         self.registry = registry
         self.clients = dict(clients)
         self.model = model
@@ -84,7 +90,7 @@ class LivePlanner:
         self.page_size = page_size
         self.slices = Slices(window_s, block_tokens=page_size)
         self.nodes = nodes or len(self.clients)
-        self.planner = EvolvingPlanner(self.nodes, interval=interval, window_s=window_s)
+        self.planner = EvolvingPlanner(self.nodes, interval=interval, window_s=window_s, **kw)
         self.switches: list[SwitchRecord] = []
         self._switching: set[int] = set()
         self._held = False  # decisions held while not every engine is up (`tick`)

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             decode_allocation=args.decode_allocation,
             switch_restart_s=args.restart_s,
             pool_one_copy=args.pool_one_copy,
-            planner_options=tuple(args.planner_options),
+            planner_options=tuple(args.planner_option),
         )
     except ValueError as e:
         raise WorkloadError(str(e)) from None

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         pool_one_copy=args.pool_one_copy,
         deployment=deployment_from(args),
-        planner_options=tuple(args.planner_options),
+        planner_options=tuple(args.planner_option),
     )
     try:  # settings the planner refuses: before the runs, not in the first one
         SimConfig(deployment=size.deployment, planner_options=size.planner_options)
