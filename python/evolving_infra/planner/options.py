@@ -1,6 +1,7 @@
-"""The `evolving` planner's settings as `NAME=VALUE` options (`sim --planner-option`,
-`scenario run --planner-option`): what a change to the planner's rule is tried with on the
-tuning grid before its code changes (docs/scenarios.md, issue 25)."""
+"""The `evolving` planner's settings as `NAME=VALUE` options (`--planner-option` of `sim`,
+`scenario run`, `router` and `cluster up`, or a --config file's `planner-option = [...]`): what
+a change to the planner's rule is tried with on the tuning grid before its code changes
+(docs/scenarios.md, issue 25), and what an operator sets the live planner with."""
 
 from __future__ import annotations
 
