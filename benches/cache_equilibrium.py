@@ -81,15 +81,8 @@ def _run(args: argparse.Namespace, prefill: int) -> dict[str, float]:
 
 def _figures(slices: Sequence[SliceStats]) -> dict[str, float]:
     taus, inserts, rates, gaps, found, ideal = [], [], [], [], 0.0, 0.0
-    est = [0, 0, 0, 0]  # estimated prompt, estimated uncached, ran prompt, ran uncached
     for s in slices:
         seconds = s.end - s.start
-        est = [
-            est[0] + s.prompt_tokens,
-            est[1] + s.uncached_tokens,
-            est[2] + s.prefilled_prompt_tokens,
-            est[3] + s.prefilled_uncached_tokens,
-        ]
         if seconds <= 0 or len(s.arrival_reuse) != len(s.arrivals) or not s.arrivals:
             continue
         r = SliceReuse.of(s.arrivals, s.arrival_reuse, max(s.mean_decode_nodes, 1.0))
@@ -109,7 +102,13 @@ def _figures(slices: Sequence[SliceStats]) -> dict[str, float]:
     insert = statistics.mean(inserts) if inserts else float("nan")
     rate = statistics.mean(rates) if rates else float("nan")
     gap = statistics.mean(gaps) if gaps else float("nan")
-    loss = (est[3] / est[2]) / (est[1] / est[0]) if min(est) > 0 else float("nan")
+    # SplitMemory's figure over these slices: the prefills' uncached share over the estimate's.
+    est_prompt = sum(s.prompt_tokens for s in slices)
+    est_uncached = sum(s.uncached_tokens for s in slices)
+    ran_prompt = sum(s.prefilled_prompt_tokens for s in slices)
+    ran_uncached = sum(s.prefilled_uncached_tokens for s in slices)
+    ok = min(est_prompt, est_uncached, ran_prompt, ran_uncached) > 0
+    loss = (ran_uncached / ran_prompt) / (est_uncached / est_prompt) if ok else float("nan")
     return {
         "found": found / ideal if ideal > 0 else float("nan"),
         "tau": tau,

@@ -52,7 +52,6 @@ from evolving_infra.engines.sim.command import check_deployment
 from evolving_infra.engines.sim.core import EngineSettings
 from evolving_infra.errors import CommandError
 from evolving_infra.planner import options
-from evolving_infra.planner.evolving import EvolvingPlanner
 from evolving_infra.ports import LOOPBACK, PortInUseError, check_listen, free_ports, port_taken
 from evolving_infra.router.config import DEFAULT_SHUTDOWN_TIMEOUT
 from evolving_infra.router.replicas import redis_answers, redis_server_command
@@ -237,7 +236,7 @@ def up(args: argparse.Namespace, console: Console) -> Cluster:
     deployment = Deployment(MODELS[args.model], GPUS[args.gpu], args.tp)
     check_deployment(EngineSettings(deployment=deployment, page_size=args.page_size))
     try:  # what the routers would refuse at start: refused here, before anything starts
-        EvolvingPlanner(n, **options.check(tuple(args.planner_option)))
+        options.settings(tuple(args.planner_option), n)
     except ValueError as e:
         raise CommandError(f"--planner-option: {e}") from None
     if args.router_port:

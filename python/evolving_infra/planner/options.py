@@ -36,8 +36,7 @@ def parse(text: str) -> Option:
     name = name.strip()
     if not sep or not name:
         raise ValueError(f"expected NAME=VALUE, got {text!r}")
-    if name not in TUNABLES:
-        raise ValueError(f"unknown planner option {name!r} (one of {', '.join(TUNABLES)})")
+    _known(name)
     if name in OPTIONAL and value.strip().lower() == "none":
         return name, None
     try:
@@ -55,12 +54,27 @@ def check(options: tuple[Option, ...]) -> dict[str, Any]:
     of range: the planner's own checks, `SimConfig` builds one to run them)."""
     out: dict[str, Any] = {}  # Any: keyword arguments of several types (int, float, None)
     for name, value in options:
-        if name not in TUNABLES:
-            raise ValueError(f"unknown planner option {name!r} (one of {', '.join(TUNABLES)})")
+        _known(name)
         if name in out:
             raise ValueError(f"planner option {name} given twice")
         out[name] = value
     return out
+
+
+def settings(options: tuple[Option, ...], nodes: int) -> dict[str, Any]:
+    """`check`, then the planner's own checks of the values on `nodes` nodes (at least 2): what
+    every command that takes the options runs before it starts anything; ValueError with the
+    planner's reason."""
+    from evolving_infra.planner.evolving import EvolvingPlanner  # evolving imports no option
+
+    kw = check(options)
+    EvolvingPlanner(max(nodes, 2), **kw)
+    return kw
+
+
+def _known(name: str) -> None:
+    if name not in TUNABLES:
+        raise ValueError(f"unknown planner option {name!r} (one of {', '.join(TUNABLES)})")
 
 
 def add_argument(parser: argparse.ArgumentParser, *, without: dict[str, str] | None = None) -> None:

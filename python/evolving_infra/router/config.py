@@ -346,10 +346,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _planner_options(given: list[Option], engines: int) -> tuple[Option, ...]:
     """The planner options, refused here when the planner would refuse them (before any engine
     is dialled)."""
-    from evolving_infra.planner.evolving import EvolvingPlanner
-
     try:
-        EvolvingPlanner(max(engines, 2), **options.check(tuple(given)))
+        options.settings(tuple(given), engines)
     except ValueError as e:
         raise RouterConfigError(f"planner-option: {e}") from None
     return tuple(given)

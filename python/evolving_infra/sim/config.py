@@ -120,10 +120,8 @@ class SimConfig:
                 raise ValueError(f"initial split {s} is not a split of {self.nodes} nodes")
         _ = self.hardware  # `NodeHardware` raises when the weights leave no memory for KV
         if self.planner_options:
-            from evolving_infra.planner.evolving import EvolvingPlanner
-
-            try:  # its checks, before a run
-                EvolvingPlanner(self.nodes, **self.evolving_options)
+            try:  # the planner's checks, before a run
+                options.settings(self.planner_options, self.nodes)
             except ValueError as e:
                 raise ValueError(f"the evolving planner refuses its options: {e}") from None
 
