@@ -362,6 +362,26 @@ def test_idle_branches_expire_after_the_ttl() -> None:
         BranchTracker(d, ttl=0)
 
 
+def test_a_lease_carries_the_agents_think_time_since_its_last_answer() -> None:
+    """The planner's closed loop counts the time between a branch's answer and its next
+    request; a branch's first request, a fork's first and a request beside one in flight have
+    none."""
+    clock = Clock()
+    t = BranchTracker(KvDirectory(), clock=clock)
+    first = t.begin(BranchInfo("a"), hashes(BASE))
+    assert first.think_s is None
+    clock.now = 4.0
+    t.finish(first)
+    clock.now = 11.5
+    second = t.begin(BranchInfo("a"), hashes(LONGER))
+    assert second.think_s == 7.5
+    beside = t.begin(BranchInfo("a"), hashes(LONGER))
+    assert beside.think_s is None  # the agent is still waiting for `second`
+    fork = t.begin(BranchInfo("b", parent="a", event=BranchEvent.FORK), hashes(LONGER))
+    assert fork.think_s is None
+    assert t.begin(None, hashes(BASE)).think_s is None  # anonymous: nobody to follow
+
+
 def test_the_app_runs_expiry_in_the_background() -> None:
     clock = Clock()
     tracker = BranchTracker(KvDirectory(), ttl=5.0, clock=clock)

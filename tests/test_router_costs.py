@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import gc
 import json
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
@@ -363,7 +365,8 @@ def test_the_planner_hears_the_estimate_at_placement_and_what_the_prefill_found(
     prefill really computed: the planner's `hits.SplitMemory` compares the two."""
     real = KvDirectory()
     ids = list(range(256)) * 16  # 4,096 tokens
-    req = _request(ids)
+    # The agent thought 9 s since its branch's last answer; it arrived just now.
+    req = dataclasses.replace(_request(ids), think_s=9.0, arrival=time.monotonic())
     real.store(1, "L1", list(req.block_hashes[:1000]))  # promised: 4,000 tokens cached
     d = _dispatcher(real)
     slices = Slices(600.0)
@@ -389,3 +392,7 @@ def test_the_planner_hears_the_estimate_at_placement_and_what_the_prefill_found(
     assert (s.prefills, s.prefilled_prompt_tokens) == (1, len(ids))
     assert s.prefilled_uncached_tokens == len(ids) - 1_000
     assert s.output_tokens == 1
+    # The closed loop: the think time as the request carried it, and the answer it got.
+    assert (s.think_requests, s.think_s) == (1, 9.0)
+    assert s.answered == 1
+    assert 0.0 < s.ttft_s <= s.response_s < 5.0

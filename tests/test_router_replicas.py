@@ -348,9 +348,10 @@ def test_every_replicas_window_holds_every_replicas_arrivals() -> None:
         assert await a.exchange()
         assert await b.exchange()  # both read from now on
         chain = list(range(1000, 1000 + 64))
-        a.arrival(1024, 512, 512, chain, 99.0)
+        a.arrival(1024, 512, 512, chain, 99.0, 12.0)
         a.tokens(40)
         a.prefilled(1024, 500)
+        a.answered(0.5, 3.0)
         b.arrival(2048, 2048, 0, [7, 8], 99.5)
         assert await a.exchange()
         assert await b.exchange()
@@ -358,7 +359,10 @@ def test_every_replicas_window_holds_every_replicas_arrivals() -> None:
         for s in (sa, sb):  # the same window on both
             assert (s.requests, s.prompt, s.uncached, s.cached) == (2, 3072, 2560, 512)
             assert (s.output, s.prefills, s.prefilled_uncached) == (40, 1, 500)
-        assert (a.applied, b.applied) == (1, 3)
+            # The closed loop's figures: a's think time, and the answer it saw.
+            assert (s.think_n, s.think_sum) == (1, 12.0)
+            assert (s.answered_n, s.ttft_sum, s.response_sum) == (1, 0.5, 3.0)
+        assert (a.applied, b.applied) == (1, 4)
         # The reuse tracker saw a's chain on b at every 16th block: a later arrival of it on b
         # finds its whole sampled prefix seen (the age from b's clock at receipt).
         reuse = sb.reuse

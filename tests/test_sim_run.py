@@ -242,3 +242,22 @@ def test_dynamo_hicache_is_dynamo_with_a_shared_tier_its_router_credits() -> Non
     plain = base.router(ctx)
     assert isinstance(plain, DynamoRouter)
     assert not plain.count_shared_cache
+
+
+def test_the_planners_window_counts_think_times_and_answers_as_a_router_sees_them() -> None:
+    """The closed loop the evolving planner prices (`planner/throughput.closed_loop_rate`):
+    each request after a branch's first arrives its trace `wait` after the branch's previous
+    answer (OSWorld has no joins), and every answer is counted with its TTFT and end."""
+    trace = generate("osworld", SlotPlan(agents=3, duration=200, seed=2))
+    cluster = Cluster(trace, SimConfig(gpus=16, seed=2), policy("evolving", 4))
+    assert cluster.run() < cluster.slices.window_s  # the window holds the whole run
+    window = list(cluster.slices.window)
+    assert cluster.slices.think_n == 0  # the run ends with the last answer, not an arrival
+    waits = [r.wait for a in trace.agents for b in a.branches for r in b.requests[1:]]
+    assert sum(s.think_requests for s in window) == len(waits) > 0
+    assert sum(s.think_s * s.think_requests for s in window) == pytest.approx(sum(waits))
+    m = cluster.metrics
+    assert sum(s.answered for s in window) + cluster.slices.answered_n == m.completed
+    answered = [s for s in window if s.answered]
+    assert answered
+    assert all(0.0 < s.ttft_s <= s.response_s for s in answered)

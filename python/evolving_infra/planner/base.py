@@ -89,6 +89,18 @@ class SliceStats:
     # Decode nodes up, averaged over the slice's samples (0: no samples): the cache that
     # `arrival_reuse`'s cached tokens were found in.
     mean_decode_nodes: float = 0.0
+    # The mean time between a branch's response and its next request (an agent's tool call or
+    # thought: the part of its turn no split serves), over the slice's arrivals whose branch
+    # had an answered request before (`think_requests` of them; 0: none, or not tracked). The
+    # closed loop's population: a split that answers faster brings its agents back sooner by
+    # as much as the answer is of their cycle, think time and answer together.
+    think_s: float = 0.0
+    think_requests: int = 0
+    # The mean time from arrival to the last token of the requests answered in the slice
+    # (`answered` of them; 0: none, or not tracked): the other part of an agent's cycle.
+    response_s: float = 0.0
+    ttft_s: float = 0.0  # the same requests' mean time from arrival to their first token
+    answered: int = 0
 
 
 ARRIVAL_SAMPLE = 64

@@ -126,6 +126,11 @@ def merge(slices: Sequence[SliceStats]) -> SliceStats:
         arrivals=thin([a for s in ordered for a in s.arrivals]),
         arrival_reuse=thin([r for s in ordered for r in s.arrival_reuse]) if tracked else (),
         mean_decode_nodes=avg([s.mean_decode_nodes for s in slices], dur),
+        think_s=avg([s.think_s for s in slices], [s.think_requests for s in slices]),
+        think_requests=sum(s.think_requests for s in slices),
+        response_s=avg([s.response_s for s in slices], [s.answered for s in slices]),
+        ttft_s=avg([s.ttft_s for s in slices], [s.answered for s in slices]),
+        answered=sum(s.answered for s in slices),
     )
 
 

@@ -28,7 +28,27 @@ Rule, every `interval` (60 s) over a `window_s` (600 s) window cut into `slices`
    paired t-test (H0: mean gain <= 0; `scipy.stats.t`); switch only if p < `alpha` AND the
    mean gain >= `min_gain`. One bursty slice among calm ones gives one large gain among
    small or negative ones: a large variance, so no switch (a burst of sub-agents must not flip
-   nodes, DESIGN §3);
+   nodes, DESIGN §3). The mean gain must also reach `min_gain` in what the agents would send
+   (`Evaluation.loop_gain`), which differs from capacity where the cluster is mostly idle:
+   agents wait for their answers, so a split serves what they ask, and a faster one brings
+   them back only by as much as its answer is of their cycle. In each slice whose arrival
+   rate is at most 1/`headroom` (3) of the current split's capacity and whose agents' think
+   times the driver counted (`SliceStats.think_s`: from a branch's answer to its next
+   request), the candidates are priced by the rate those agents would send them
+   (`throughput.closed_loop_rate`: as many agents as keep the slice's rate going with its
+   think time and observed answers, `SliceStats.response_s`, each answer scaled from the
+   model's by the observed over the modelled at the current split, its prefill queue wait
+   M/G/1 with the sampled arrivals' spread of prefill times); elsewhere by capacity. On Claude
+   Code at 150 agents on the paper's deployment (about 40 s of tool time to 2 s of answer,
+   the cluster at a sixth of its capacity) capacities a third apart moved the planner 5 to 7
+   times an hour for nothing (every split from 2P7D to 7P2D within 1% of the best); this
+   keeps it to one or two moves. It is a test, not the target: pricing every slice by its
+   agents instead moved OSWorld on the paper's deployment (400 and 600 agents) later and back
+   and forth, 4-11 switches an hour and 3-9% below the best static split, since its load grows
+   past its capacity minutes later and a split with headroom is what holds it then; and the
+   test applies only with 3x headroom, since at 400 OSWorld agents the first minutes run at
+   40% of capacity and the move then (to 5P4D, the best static split) is what the next half
+   hour needs;
 4. the gain must also persist: the gains' least-squares line over the slices, read one slice
    past the latest (`Evaluation.gain_now`: at the next decision, the earliest the planner could
    undo the move), must be >= `min_gain` too. A burst that is fading (the
@@ -88,7 +108,14 @@ from evolving_infra.planner.common import (
 )
 from evolving_infra.planner.hits import SplitMemory
 from evolving_infra.planner.reuse import SliceReuse
-from evolving_infra.planner.throughput import SliceDemand, split_rate
+from evolving_infra.planner.throughput import (
+    Answer,
+    Loop,
+    SliceDemand,
+    answer,
+    closed_loop_rate,
+    split_rate,
+)
 from evolving_infra.timing.model import IterationModel
 from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
 
@@ -100,6 +127,12 @@ FULL_DECODE_KV = 0.95
 # sampled arrivals move Claude Code's share between 0.015 and 0.04) kept the start-up moves
 # that help there out as well: 0.976x and 0.982x of the 0.01 floor at 126 agents, tuning draws.
 FRESH_FLOOR = 0.01
+# The fewest arrivals with a known think time for a slice to be priced as a closed loop
+# (`EvolvingPlanner._close_loop`): below it the slice keeps the capacities.
+MIN_THINK_REQUESTS = 5
+# How far the observed answers may be from the model's (`_loop`): beyond these the
+# observation says more about one slice's burst than about the model.
+ANSWER_SCALE = (0.25, 20.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +149,9 @@ class Evaluation:
     gain_now: float  # the gains' least-squares line one slice past the latest (rule 4)
     # Mean Θ of every candidate, requests/s, by prefill nodes 1..N-1 (for logs and plots).
     thetas: tuple[float, ...] = ()
+    # Mean relative gain in what the slices' agents would send (rule 3; the capacity gain
+    # where no slice prices a closed loop).
+    loop_gain: float = 0.0
 
     def record(self, asked: Split | None) -> dict[str, Any]:
         """The decision as one flat, JSON-ready record (the simulator's `decision_log`, the
@@ -131,6 +167,7 @@ class Evaluation:
             "mean_gain": self.mean_gain,
             "p_value": self.p_value,
             "gain_now": self.gain_now,
+            "loop_gain": self.loop_gain,
             "theta": {str(Split(x, n - x)): t for x, t in enumerate(self.thetas, start=1)},
         }
 
@@ -161,6 +198,7 @@ class EvolvingPlanner(PlannerGate):
         early_allocation: bool = True,
         recent: float | None = 0.5,
         shift_factor: float | None = None,
+        headroom: float | None = 3.0,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
@@ -169,6 +207,8 @@ class EvolvingPlanner(PlannerGate):
             raise ValueError("max_step must be >= 1 (None: the whole gap)")
         if recent is not None and not 0 < recent < 1:
             raise ValueError("recent must be in (0, 1) (None: the whole window only)")
+        if headroom is not None and headroom < 1:
+            raise ValueError("headroom must be >= 1 (None: rule 3 prices capacity only)")
         self.nodes_total = nodes_total
         self.interval = float(interval)
         self.window_s = float(window_s)
@@ -186,6 +226,7 @@ class EvolvingPlanner(PlannerGate):
         self.early_allocation = early_allocation
         self.recent = recent
         self.shift_factor = shift_factor
+        self.headroom = headroom
         self.last: Evaluation | None = None
         # The last move asked for: when, and +1 towards prefill or -1 towards decode (rule 5).
         self.moved: tuple[float, int] | None = None
@@ -217,18 +258,24 @@ class EvolvingPlanner(PlannerGate):
             axis=1,
         )  # (slices, candidates)
         theta = np.empty_like(mu_p)
-        for i, m in enumerate(mix):
-            demand = self._demand(model, m)  # the same for every candidate but its μ_P
-            for k, x in enumerate(xs):
-                at_k = dataclasses.replace(demand, mu_p=float(mu_p[i, k]))
-                theta[i, k] = split_rate(model, at_k, int(x), int(n - x), kv, self.max_decode_batch)
-        mean_theta = theta.mean(axis=0)
+        served = np.empty_like(mu_p)  # what the slices' agents would send each (rule 3)
         cur = split.prefill - 1
+        for i, (s, m) in enumerate(kept):
+            demand = self._demand(model, m)  # the same for every candidate but its μ_P
+            at = [dataclasses.replace(demand, mu_p=float(mu_p[i, k])) for k in range(len(xs))]
+            for k, x in enumerate(xs):
+                y = int(n - x)
+                theta[i, k] = split_rate(model, at[k], int(x), y, kv, self.max_decode_batch)
+            served[i] = theta[i]
+            if self.headroom is not None:
+                self._close_loop(model, s, at, served[i], cur)
+        mean_theta = theta.mean(axis=0)
         # Best mean Θ; among ties (within a relative 1e-9) the one closest to the current split.
         top = float(mean_theta.max())
         ties = [k for k in range(len(xs)) if mean_theta[k] >= top * (1 - 1e-9)]
         best = min(ties, key=lambda k: abs(k - cur))
         gains = theta[:, best] / theta[:, cur] - 1.0
+        loop_gain = float((served[:, best] / served[:, cur] - 1.0).mean())
         return Evaluation(
             at=now,
             current=split,
@@ -239,7 +286,40 @@ class EvolvingPlanner(PlannerGate):
             p_value=_one_sided_p(gains),
             gain_now=_line_at(times, gains, float(times.max()) + self.window_s / self.slices),
             thetas=tuple(float(t) for t in mean_theta),
+            loop_gain=loop_gain,
         )
+
+    def _close_loop(
+        self,
+        model: IterationModel,
+        s: SliceStats,
+        at: Sequence[SliceDemand],
+        theta: npt.NDArray[np.float64],
+        cur: int,
+    ) -> None:
+        """`theta` (one slice's capacities, by candidate) replaced in place by the rates the
+        slice's agents would send each candidate (`throughput.closed_loop_rate`, rule 3): as
+        many agents as keep the slice's arrival rate going at the current split, each thinking
+        the slice's mean think time. Kept as capacities where the slice knows no think time or
+        the current split has less than `headroom` times its rate in capacity (its agents wait
+        on it, or soon may)."""
+        assert self.headroom is not None, "rule 3's closed loop is on"
+        if s.think_requests < MIN_THINK_REQUESTS:
+            return
+        rate = s.requests / max(s.end - s.start, 1e-9)
+        if rate * self.headroom > theta[cur]:
+            return
+        x, n = cur + 1, self.nodes_total
+        scv = _scv([prefill_seconds(model, u, c, self.chunk_tokens) for u, c in s.arrivals])
+        at = [dataclasses.replace(d, service_scv=scv) for d in at]
+        now = answer(model, at[cur], rate, x, n - x, self.max_decode_batch)
+        if now is None:
+            return
+        loop = _loop(s, rate, now)
+        for k in range(len(theta)):
+            theta[k] = closed_loop_rate(
+                model, at[k], k + 1, n - k - 1, float(theta[k]), loop, self.max_decode_batch
+            )
 
     def decision(self, now: float, asked: Split | None) -> dict[str, Any] | None:
         """The record of the decision made at `now` (`Evaluation.record`), None when none was
@@ -340,6 +420,7 @@ class EvolvingPlanner(PlannerGate):
             ev.p_value < self.alpha
             and ev.mean_gain >= self.min_gain
             and ev.gain_now >= self.min_gain
+            and ev.loop_gain >= self.min_gain
         )
 
     def _kv_tokens(self, model: IterationModel) -> int:
@@ -399,6 +480,26 @@ def _reuse_model(s: SliceStats) -> SliceReuse | None:
     if not s.arrival_reuse or s.mean_decode_nodes <= 0 or s.kv_utilization >= FULL_DECODE_KV:
         return None
     return SliceReuse.of(s.arrivals, s.arrival_reuse, s.mean_decode_nodes)
+
+
+def _loop(s: SliceStats, rate: float, model: Answer) -> Loop:
+    """The slice's agents (`throughput.Loop`): as many as keep `rate` going at the current
+    split with the slice's think time and observed answers, whose time over the model's
+    (`model`) scales every candidate's; the model's answers where too few were observed."""
+    modelled = model.total()
+    if s.answered < MIN_THINK_REQUESTS or s.response_s <= 0.0 or modelled <= 0.0:
+        return Loop(rate * (s.think_s + modelled), s.think_s)
+    scale = min(max(s.response_s / modelled, ANSWER_SCALE[0]), ANSWER_SCALE[1])
+    return Loop(rate * (s.think_s + s.response_s), s.think_s, scale)
+
+
+def _scv(values: Sequence[float]) -> float:
+    """The squared coefficient of variation of `values` (0 for fewer than two)."""
+    if len(values) < 2:
+        return 0.0
+    a = np.asarray(values, dtype=np.float64)
+    mean = float(a.mean())
+    return float(a.var()) / (mean * mean) if mean > 0 else 0.0
 
 
 def _lose(uncached: float, cached: float, loss: float) -> tuple[float, float]:

@@ -22,10 +22,11 @@ TUNABLES: dict[str, type] = {
     "min_slices": int,
     "recent": float,
     "shift_factor": float,
+    "headroom": float,
 }
 
 # Those whose default is None (off, or the whole gap): `none` sets them back to it.
-OPTIONAL = frozenset({"max_step", "recent", "shift_factor"})
+OPTIONAL = frozenset({"max_step", "recent", "shift_factor", "headroom"})
 
 Option = tuple[str, float | None]
 
@@ -101,5 +102,5 @@ def add_argument(parser: argparse.ArgumentParser, *, without: dict[str, str] | N
         metavar="NAME=VALUE",
         help="set one of the evolving planner's settings, repeatable: "
         + ", ".join(names)
-        + " (planner/evolving.py; `none` sets max_step, recent or shift_factor off)",
+        + " (planner/evolving.py; `none` sets max_step, recent, shift_factor or headroom off)",
     )

@@ -57,6 +57,11 @@ class Slices:
         self.requests = self.prompt = self.uncached = self.cached = self.output = 0
         self.arrived: list[tuple[int, int]] = []  # (uncached, cached) of every arrival
         self.arrived_reuse: list[Reuse] = []  # their reusable prefixes, when tracked
+        self.think_sum = 0.0  # Σ of the arrivals' think times, where known
+        self.think_n = 0
+        self.response_sum = 0.0  # Σ of the answered requests' arrival-to-last-token times
+        self.ttft_sum = 0.0
+        self.answered_n = 0
         self.decode_nodes_sum = 0  # Σ over samples of the decode nodes up
         self.prefills = self.prefilled_prompt = self.prefilled_uncached = 0
         self.samples = 0
@@ -86,10 +91,15 @@ class Slices:
         now: float = 0.0,
         *,
         sampled: bool = False,
+        think_s: float | None = None,
     ) -> None:
         """A request arrived at `now`, its prompt estimated `uncached` + `cached` when placed;
         `hashes`: its blocks', for the reuse tracker (ignored without one); `sampled`: only
-        every `reuse.REUSE_STRIDE`-th of them (another router replica's arrival)."""
+        every `reuse.REUSE_STRIDE`-th of them (another router replica's arrival); `think_s`:
+        the time since its branch's last response (None: its branch's first request)."""
+        if think_s is not None:
+            self.think_sum += max(think_s, 0.0)
+            self.think_n += 1
         if self.reuse is not None:
             self.arrived_reuse.append(self.reuse.observe(now, hashes, sampled=sampled))
         self.requests += 1
@@ -97,6 +107,13 @@ class Slices:
         self.uncached += uncached
         self.cached += cached
         self.arrived.append((uncached, cached))
+
+    def answered(self, ttft_s: float, response_s: float) -> None:
+        """A request was answered: its first token `ttft_s` after it arrived, its last
+        `response_s` after."""
+        self.ttft_sum += max(ttft_s, 0.0)
+        self.response_sum += max(response_s, 0.0)
+        self.answered_n += 1
 
     def prefilled(self, prompt: int, uncached: int) -> None:
         """A prefill ran with `uncached` of its `prompt` tokens computed (the rest cached)."""
@@ -207,6 +224,11 @@ class Slices:
             arrivals=thin(self.arrived),
             arrival_reuse=thin(self.arrived_reuse),
             mean_decode_nodes=self.decode_nodes_sum / self.samples if self.samples else 0.0,
+            think_s=self.think_sum / self.think_n if self.think_n else 0.0,
+            think_requests=self.think_n,
+            response_s=self.response_sum / self.answered_n if self.answered_n else 0.0,
+            ttft_s=self.ttft_sum / self.answered_n if self.answered_n else 0.0,
+            answered=self.answered_n,
         )
         self.window.append(s)
         while self.window and self.window[0].end <= now - self.window_s:

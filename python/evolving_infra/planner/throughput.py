@@ -29,6 +29,7 @@ finds it; the old Θ is its limit with no holding and no queue.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from evolving_infra.planner.common import MeanRequest
@@ -48,6 +49,9 @@ class SliceDemand:
     transfer_s: float  # its KV's move to the decode node
     early: bool  # decode KV reserved at dispatch (held through the prefill queue)
     tokens_per_step: float = 1.0  # tokens a request gains per decode iteration (MTP)
+    # The squared coefficient of variation of the requests' prefill times (0: all alike), for
+    # the queue wait of `response_s` (Pollaczek-Khinchine: M/D/1's wait times 1 + scv).
+    service_scv: float = 0.0
 
 
 def _decode_time(
@@ -99,6 +103,89 @@ def split_rate(
     for _ in range(_BISECTIONS):
         mid = (lo + hi) / 2
         if _feasible(model, d, mid, x, y, kv_tokens, max_batch):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The mean request's time in a split, in its parts: the wait in a prefill queue, its
+    prefill and transfer, its decode."""
+
+    wait_s: float
+    prefill_s: float
+    decode_s: float
+
+    def total(self) -> float:
+        return self.wait_s + self.prefill_s + self.decode_s
+
+
+def answer(
+    model: IterationModel, d: SliceDemand, rate: float, x: int, y: int, max_batch: int
+) -> Answer | None:
+    """The mean request's time in the split at `rate` requests/s (`Answer`): its wait in a
+    prefill queue (M/G/1 by Pollaczek-Khinchine: `_feasible`'s M/D/1 wait times 1 + the
+    prefill times' squared coefficient of variation, since an agent's cold first prompt takes
+    ten times a warm turn's prefill and the turns behind it wait for it), its prefill, its
+    transfer and its decode at the batch the rate makes; None where the prefill nodes do not
+    keep up."""
+    rho = rate / (x * d.mu_p)
+    if rho >= 1.0:
+        return None
+    wait = (1.0 + d.service_scv) * rho / (2.0 * (1.0 - rho)) / d.mu_p
+    decode = _decode_time(model, d, rate, y, max_batch)[0]
+    return Answer(wait, d.prefill_s + d.transfer_s, decode)
+
+
+@dataclass(frozen=True, slots=True)
+class Loop:
+    """A closed loop of agents as one slice showed it: how many, how long each thinks between
+    an answer and its next request, and how much longer than the model's the observed answers
+    took (the model's error, taken to be the same factor at every split: it is the model's
+    shape, not its scale, that picks the split; calibrating the queue wait and the decode
+    apart, from the observed TTFT, moved Claude Code to more prefill nodes at the start-up
+    burst and cost 5-7% at 126 agents on the tuning grid)."""
+
+    agents: float
+    think_s: float
+    scale: float = 1.0  # observed answers over the model's at the current split
+
+
+def closed_loop_rate(
+    model: IterationModel,
+    d: SliceDemand,
+    x: int,
+    y: int,
+    capacity: float,
+    loop: Loop,
+    max_batch: int,
+) -> float:
+    """Requests/s the agents of `loop` send to the split of `x` prefill and `y` decode nodes
+    (`capacity`: its `split_rate`): the rate X with X·(think + answer(X)) = agents (Little's
+    law over the agents' cycle), at most the capacity.
+
+    Why not the capacity alone: agents wait for their answers, so a split that would serve
+    more than they ask serves what they ask, and a faster answer brings them back only by as
+    much as the answer is of their cycle. On Claude Code at 150 agents on the paper's
+    deployment the cluster ran at a sixth of its capacity (about 40 s of tool time to 2 s of
+    answer): every split from 2P7D to 7P2D served within 1% of the best, while their
+    capacities differ by a third, which the planner moved on 5 to 7 times an hour.
+    """
+    if capacity <= 0.0 or loop.agents <= 0.0:
+        return capacity
+
+    def cycle(rate: float) -> float:
+        a = answer(model, d, rate, x, y, max_batch)
+        return math.inf if a is None else loop.think_s + loop.scale * a.total()
+
+    if capacity * cycle(capacity) <= loop.agents:
+        return capacity  # they would ask for more than it serves: it serves its capacity
+    lo, hi = 0.0, capacity
+    for _ in range(_BISECTIONS):
+        mid = (lo + hi) / 2
+        if mid * cycle(mid) <= loop.agents:
             lo = mid
         else:
             hi = mid

@@ -366,6 +366,7 @@ class FrontEnd:
                 stream=req.stream,
                 arrival=arrival,
                 user=req.user,
+                think_s=lease.think_s,
             )
             del req, ids, hashes
             log.debug(

@@ -150,6 +150,7 @@ class _Live:
     last_active: float
     in_flight: int = 0
     tail: int | None = None  # the last block of its context: what eviction hints name
+    finished: float | None = None  # when its last request ended (None: none has yet)
 
 
 @dataclass(slots=True)
@@ -161,6 +162,9 @@ class BranchLease:
     anonymous: bool
     end_after: bool  # the request carries the `end` event
     done: bool = field(default=False)
+    # Seconds since the branch's last request ended, none in flight since (the agent's think
+    # time, which the planner's window counts); None for a branch's first request.
+    think_s: float | None = None
 
 
 class BranchError(Exception):
@@ -259,12 +263,14 @@ class BranchTracker:
         self._set(b, hashes)
         if live is None:
             live = self._named[b] = _Live(parent=None, last_active=now)
+        think = None if live.in_flight or live.finished is None else now - live.finished
         live.last_active = now
         live.tail = hashes[-1] if hashes else None
         live.in_flight += 1
         if info.event is not None:
             self._count(info.event.value)
-        return BranchLease(b, info, anonymous=False, end_after=info.event is BranchEvent.END)
+        end = info.event is BranchEvent.END
+        return BranchLease(b, info, anonymous=False, end_after=end, think_s=think)
 
     def _set(self, key: BranchKey, hashes: Sequence[int]) -> None:
         try:
@@ -289,7 +295,7 @@ class BranchTracker:
         if live is None:  # ended meanwhile (POST .../end, or expired)
             return
         live.in_flight -= 1
-        live.last_active = self._clock()
+        live.last_active = live.finished = self._clock()
         if lease.end_after:
             self._end(lease.key)
 

@@ -52,6 +52,7 @@ class PreparedRequest:
     stream: bool
     arrival: float  # time.monotonic() when the request arrived
     user: str | None = None
+    think_s: float | None = None  # since its branch's last answer (`BranchLease.think_s`)
 
 
 @dataclass(frozen=True, slots=True)

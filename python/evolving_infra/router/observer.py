@@ -19,9 +19,20 @@ class DispatchObserver:
     """Every event the dispatcher reports; each a no-op here."""
 
     def arrival(
-        self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
+        self,
+        prompt_tokens: int,
+        uncached: int,
+        cached: int,
+        hashes: Sequence[int],
+        now: float,
+        think_s: float | None = None,
     ) -> None:
-        """A request placed: `uncached` + `cached` = `prompt_tokens` as the placement saw it."""
+        """A request placed: `uncached` + `cached` = `prompt_tokens` as the placement saw it;
+        `think_s`: since its branch's last answer (None: its first request, or a retry)."""
+
+    def answered(self, ttft_s: float, response_s: float) -> None:
+        """A request's answer ended: its first token `ttft_s` after its arrival, its last
+        `response_s` after."""
 
     def tokens(self, n: int) -> None:
         """`n` more tokens decoded."""
@@ -47,10 +58,20 @@ class Observers(DispatchObserver):
         self.observers = observers
 
     def arrival(
-        self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
+        self,
+        prompt_tokens: int,
+        uncached: int,
+        cached: int,
+        hashes: Sequence[int],
+        now: float,
+        think_s: float | None = None,
     ) -> None:
         for o in self.observers:
-            o.arrival(prompt_tokens, uncached, cached, hashes, now)
+            o.arrival(prompt_tokens, uncached, cached, hashes, now, think_s)
+
+    def answered(self, ttft_s: float, response_s: float) -> None:
+        for o in self.observers:
+            o.answered(ttft_s, response_s)
 
     def tokens(self, n: int) -> None:
         for o in self.observers:
@@ -80,9 +101,18 @@ class PlannerFeed(DispatchObserver):
         self.slices = slices
 
     def arrival(
-        self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
+        self,
+        prompt_tokens: int,
+        uncached: int,
+        cached: int,
+        hashes: Sequence[int],
+        now: float,
+        think_s: float | None = None,
     ) -> None:
-        self.slices.arrival(prompt_tokens, uncached, cached, hashes, now)
+        self.slices.arrival(prompt_tokens, uncached, cached, hashes, now, think_s=think_s)
+
+    def answered(self, ttft_s: float, response_s: float) -> None:
+        self.slices.answered(ttft_s, response_s)
 
     def tokens(self, n: int) -> None:
         self.slices.tokens(n)

@@ -311,6 +311,7 @@ class PdDispatcher:
             # A new request to the engines: the broken attempt may still be winding down on
             # the prefill engine under the old id.
             request_id=f"{req.request_id}-m{len(output)}",
+            think_s=None,  # the same turn, counted once in the planner's window
         )
 
     async def _generate(self, request: PreparedRequest) -> AsyncIterator[GenerationEvent]:
@@ -389,7 +390,13 @@ class PdDispatcher:
         # The planner's bookkeeping (its window, the reuse tracker: ~0.1 ms at 100k tokens)
         # runs once the engines have the request, off its path; its time is taken now.
         asyncio.get_running_loop().call_soon(
-            seen.arrival, t, place.uncached, t - place.uncached, req.block_hashes, time.monotonic()
+            seen.arrival,
+            t,
+            place.uncached,
+            t - place.uncached,
+            req.block_hashes,
+            time.monotonic(),
+            req.think_s if attempt == 0 else None,
         )
         prefill_open = True
 
@@ -438,7 +445,8 @@ class PdDispatcher:
                 if failed is not None:
                     raise failed from None
                 raise
-            structlog.contextvars.bind_contextvars(ttft_s=round(time.monotonic() - req.arrival, 4))
+            ttft = time.monotonic() - req.arrival
+            structlog.contextvars.bind_contextvars(ttft_s=round(ttft, 4))
             while event is not None:
                 if isinstance(event, TextPiece):
                     seen.tokens(event.tokens)
@@ -448,6 +456,8 @@ class PdDispatcher:
                     structlog.contextvars.bind_contextvars(cached_tokens=event.cached_tokens)
                 yield event
                 event = await anext(stream, None)
+            # The planner's closed loop: how long the agent waited for its answer.
+            seen.answered(ttft, time.monotonic() - req.arrival)
             # The decode side had the KV once it streamed: the prefill answer only confirms it,
             # and the client has its whole answer, so a late prefill error is only logged.
             try:

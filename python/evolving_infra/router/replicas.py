@@ -404,11 +404,21 @@ class SharedFeed(PlannerFeed):
         self._outage = Outage("window_exchange_failed", replica)
 
     def arrival(
-        self, prompt_tokens: int, uncached: int, cached: int, hashes: Sequence[int], now: float
+        self,
+        prompt_tokens: int,
+        uncached: int,
+        cached: int,
+        hashes: Sequence[int],
+        now: float,
+        think_s: float | None = None,
     ) -> None:
-        super().arrival(prompt_tokens, uncached, cached, hashes, now)
+        super().arrival(prompt_tokens, uncached, cached, hashes, now, think_s)
         sampled = [int(h) for h in hashes[::REUSE_STRIDE]]
-        self._out.append(["a", prompt_tokens, uncached, cached, sampled])
+        self._out.append(["a", prompt_tokens, uncached, cached, sampled, think_s])
+
+    def answered(self, ttft_s: float, response_s: float) -> None:
+        super().answered(ttft_s, response_s)
+        self._out.append(["r", ttft_s, response_s])
 
     def tokens(self, n: int) -> None:
         super().tokens(n)
@@ -451,7 +461,11 @@ class SharedFeed(PlannerFeed):
         s = self.slices
         for e in events:
             if e[0] == "a":
-                s.arrival(e[1], e[2], e[3], e[4], now, sampled=True)
+                # A replica of an earlier version sends no think time.
+                think = e[5] if len(e) > 5 else None
+                s.arrival(e[1], e[2], e[3], e[4], now, sampled=True, think_s=think)
+            elif e[0] == "r":
+                s.answered(e[1], e[2])
             elif e[0] == "p":
                 s.prefilled(e[1], e[2])
             elif e[0] == "t":

@@ -146,6 +146,9 @@ class Cluster:
         self.pending_decode: deque[SimRequest] = deque()
         self.outstanding = 0  # posted by the replay, not yet answered
         self.last_response = 0.0
+        # When each branch's last request was answered, until its next arrives (the think time
+        # the planner's window counts, as the live router reads it from its branch tracker).
+        self._last_answer: dict[str, float] = {}
         self._observed = {"prefill": -1e300, "decode": -1e300}
         self._observe_gap = 1.0 / config.observe_per_s if config.observe_per_s > 0 else 0.0
         self._has_observe_fetch = hasattr(self.router, "observe_fetch")
@@ -313,7 +316,9 @@ class Cluster:
         u, c = (node.hold if hold else node.enqueue)(req, self.now, match)
         self._dirty.add(p)
         if first:
-            self.slices.arrival(req.prompt_tokens, u, c, req.hashes, self.now)
+            answered = self._last_answer.pop(req.key, None)
+            think = None if answered is None else req.issued - answered
+            self.slices.arrival(req.prompt_tokens, u, c, req.hashes, self.now, think_s=think)
             if hold:
                 self._route_decode(req)
 
@@ -379,6 +384,10 @@ class Cluster:
         self.outstanding -= 1
         self.last_response = self.now
         ended = self.replay.complete(req, self.now)
+        if served:
+            self.slices.answered(req.first_token - req.issued, self.now - req.issued)
+        if not ended:
+            self._last_answer[req.key] = self.now
         if self.policy.branch_counts:
             if ended:
                 self.directory.branch_end(req.key)
