@@ -325,6 +325,9 @@ def test_the_held_out_protocol_keeps_its_halves_apart() -> None:
     pool = heldout.held_out_pool()
     names = {a.namespace.split("@")[0] for a in pool.agents}
     assert len(names) >= 12
+    # The Mooncake cells draw from the two traces named, each request one agent (their
+    # READMEs: 3,993 and 12,031 requests), whatever else the folder comes to hold.
+    assert len(heldout.mooncake_pool().agents) == 3_993 + 12_031
 
 
 def test_the_tuning_grid_draws_on_the_tuning_half_only() -> None:
