@@ -159,6 +159,25 @@ def test_planner_tests_capacity_where_the_split_lacks_headroom() -> None:
         EvolvingPlanner(8, headroom=0.5)
 
 
+def test_planner_reads_the_idle_regime_over_the_window_not_per_slice() -> None:
+    """Three busier slices among seven calm ones, each busier one at more than a third of
+    1P7D's capacity on its own, the window at a fifth of it: every slice is priced by its
+    agents (rule 3), so the busier slices' capacity gains do not carry the window, and the
+    planner keeps 1P7D. Priced one slice at a time they moved it (the loop gain was theirs)."""
+    rng = random.Random(0)
+    w = [
+        looped(k, rng, n=120 if k in (3, 6, 8) else 30, think_s=60.0, response_s=2.0)
+        for k in range(10)
+    ]
+    capacity = EvolvingPlanner(8, headroom=None).evaluate(NOW, Split(1, 7), w, MODEL)
+    assert capacity is not None
+    assert capacity.mean_gain > 0.2
+    planner = EvolvingPlanner(8)
+    assert planner.decide(NOW, Split(1, 7), w, MODEL) is None
+    assert planner.last is not None
+    assert planner.last.loop_gain < planner.min_gain
+
+
 def test_planner_prices_capacity_without_think_times() -> None:
     """Slices that know no think time (a driver that does not track it) are tested by
     capacity alone."""

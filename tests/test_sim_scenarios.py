@@ -351,6 +351,23 @@ def test_the_tuning_grid_draws_on_the_tuning_half_only() -> None:
     assert {r.workload.kind for r in paper} == {"claude-code-tune", "osworld", "putnam"}
 
 
+def test_a_fresh_held_out_draw_runs_the_same_cells_on_other_seeds() -> None:
+    """`scenario run heldout --held-out-seeds 6,7`: every held-out cell on the seeds given,
+    the seeds in the results; tuning data is refused as a draw."""
+    fresh = SCENARIOS["heldout"].runs(Size(held_out_seeds=(6, 7)))
+    protocol = SCENARIOS["heldout"].runs(Size())
+    assert [r.label for r in fresh] == [c.label for c in heldout.cells("h100-llama", (6, 7))]
+    assert {c.seed for c in heldout.cells("h100-llama", (6, 7))} == {6, 7}
+    assert [r.label.rsplit("-s", 1)[0] for r in fresh] == [
+        r.label.rsplit("-s", 1)[0] for r in protocol
+    ]
+    assert {r.config.seed for r in fresh}.isdisjoint({r.config.seed for r in protocol})
+    heldout.check_fresh((6, 7))
+    for bad in ((0,), (3, 6), (6, 6), ()):
+        with pytest.raises(ValueError):
+            heldout.check_fresh(bad)
+
+
 def verdict_of(cells: dict[str, tuple[float, float, int]]) -> str:
     runs = {
         label: {

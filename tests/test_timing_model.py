@@ -10,6 +10,7 @@ the project's hidden ground truth `RooflineTruth` and prints the accuracy it rea
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -578,3 +579,34 @@ def test_model_satisfies_timing_and_dispatches_samples() -> None:
     text = repr(m)
     assert "prefill[fallback]" in text
     assert "knee=" in text
+
+
+def test_decode_past_the_batches_seen_grows_as_the_prior_does() -> None:
+    """A window of small decode batches (a split with many decode nodes) on a mixture of
+    experts: its own line puts a batch of 228 at several times the truth (the experts a batch
+    touches saturate; non-negative coefficients past a knee cannot bend down). Past the largest
+    batch seen, the prediction is the fit's there plus the prior's growth: within 35%, where
+    the line alone is over 2x off. Within the batches seen it is the fit's own."""
+    paper = Deployment(KIMI_K2, GB300, tp=4, mtp_draft_tokens=3, mtp_accepted=2.5)
+    truth = RooflineTruth(paper, noise=0.02, seed=31)
+    model = IterationModel(prior=paper)
+    rng = random.Random(32)
+    for i in range(400):
+        b = rng.randint(1, 24)
+        c = b * rng.randint(2_000, 20_000)
+        model.observe_decode(b, c, truth.decode_time(b, c), now=float(i))
+    assert model.ready("decode")
+    fit = model._phases["decode"].fit  # the window's own line, to compare
+    big, ctx = 228, 228 * 11_500
+    want = truth.expected_decode_time(big, ctx)
+    assert fit.one(big, ctx) > 2.0 * want
+    assert abs(model.predict_decode(big, ctx) / want - 1) < 0.35
+    assert model.predict_decode(16, 16 * 8_000) == fit.one(16, 16 * 8_000)
+    # Without a prior there is no shape to take: the line, as before.
+    online = IterationModel()
+    for i in range(400):
+        b = rng.randint(1, 24)
+        c = b * rng.randint(2_000, 20_000)
+        online.observe_decode(b, c, truth.decode_time(b, c), now=float(i))
+    line = online._phases["decode"].fit
+    assert online.predict_decode(big, ctx) == line.one(big, ctx)

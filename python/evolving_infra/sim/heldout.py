@@ -13,7 +13,10 @@ is on seeds 4 and 5, which no change was judged on. The `heldout` scenario runs 
 cell with `evolving` and `best-static`; `holds_on_held_out` is the issue's bar: evolving at
 least 0.98x the best static split in every cell, with at most 4 switches per simulated hour
 (every cell is stationary). The `tuning` scenario runs the tuning grid (`TUNING_KINDS`) the same
-way: a planner change is judged there, and the held-out grid is run once it is made.
+way: a planner change is judged there, and the held-out grid is run once it is made. A grid
+run on seeds 4-5 has been seen by the change it judged; `--held-out-seeds` runs the held-out
+cells on a fresh draw (`check_fresh`: never the tuning seeds or a consumed draw), on which
+the next change is judged as well (seeds 6-7 first, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -133,9 +136,28 @@ TUNING_KINDS: Grid = {
 }
 
 
-def cells(deployment: str) -> tuple[Cell, ...]:
-    """The held-out cells of a deployment named in `HELD_OUT_KINDS` (others: the H100s')."""
-    return _grid(HELD_OUT_KINDS, deployment, HELD_OUT_SEEDS)
+def cells(deployment: str, seeds: tuple[int, ...] = HELD_OUT_SEEDS) -> tuple[Cell, ...]:
+    """The held-out cells of a deployment named in `HELD_OUT_KINDS` (others: the H100s'), on
+    the generator seeds `seeds` (a fresh draw: `check_fresh` first)."""
+    return _grid(HELD_OUT_KINDS, deployment, seeds)
+
+
+def check_fresh(seeds: tuple[int, ...]) -> None:
+    """A ValueError unless `seeds` may stand for a held-out draw: none of them tuning data (the
+    tuning seeds, or a draw already consumed by a change made after it), none twice. Why a
+    fresh draw at all: a planner change judged on seeds 4-5 has been seen on them; the next
+    should also be judged on seeds nothing was looked at on (`scenario run heldout
+    --held-out-seeds 6,7`)."""
+    if not seeds:
+        raise ValueError("--held-out-seeds needs at least one seed")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--held-out-seeds names a seed twice: {seeds}")
+    tuned = sorted(set(seeds) & set(TUNE_SEEDS + CONSUMED_SEEDS))
+    if tuned:
+        raise ValueError(
+            f"seed {tuned[0]} is tuning data (tuning seeds {TUNE_SEEDS}, consumed draws "
+            f"{CONSUMED_SEEDS}), not a held-out draw"
+        )
 
 
 def tuning_cells(deployment: str) -> tuple[Cell, ...]:

@@ -16,6 +16,7 @@ from rich.table import Table
 from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
 from evolving_infra.errors import CommandError
 from evolving_infra.planner import options
+from evolving_infra.sim import heldout
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.deployments import add_deployment_arguments, deployment_from
 from evolving_infra.sim.policies import SWEEPS
@@ -65,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shared pool keeps one copy of a block (a sensitivity; `sim --pool-one-copy`)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--held-out-seeds",
+        metavar="K,L",
+        help="heldout only: a fresh draw, these generator seeds instead of the protocol's 4,5"
+        " (not the tuning seeds 0,1 nor the consumed draw 2,3; docs/scenarios.md)",
+    )
     add_deployment_arguments(run, default="paper")
     options.add_argument(run)
     check = sub.add_parser("check", help="recompute the claims of scenario results on disk")
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         pool_one_copy=args.pool_one_copy,
         deployment=deployment_from(args),
         planner_options=tuple(args.planner_option),
+        held_out_seeds=_held_out_seeds(args),
     )
     try:  # settings the planner refuses: before the runs, not in the first one
         SimConfig(deployment=size.deployment, planner_options=size.planner_options)
@@ -98,6 +106,27 @@ def run(args: argparse.Namespace) -> int:
     print(path.read_text(encoding="utf-8"), end="")
     print(f"wrote {path.parent}/results.json and report.md", file=sys.stderr)
     return 0
+
+
+def _held_out_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """`--held-out-seeds` as seeds, checked (`heldout.check_fresh`); None when not given."""
+    if args.held_out_seeds is None:
+        return None
+    if args.name != "heldout":
+        raise CommandError(f"--held-out-seeds is for the heldout scenario, not {args.name}")
+    try:
+        seeds = tuple(int(k) for k in args.held_out_seeds.split(","))
+    except ValueError:
+        raise CommandError(
+            f"--held-out-seeds takes seeds separated by commas, got {args.held_out_seeds!r}"
+        ) from None
+    if any(k < 0 for k in seeds):
+        raise CommandError(f"--held-out-seeds takes seeds >= 0, got {args.held_out_seeds!r}")
+    try:
+        heldout.check_fresh(seeds)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    return seeds
 
 
 def _list() -> None:
@@ -173,6 +202,9 @@ def report(results: dict[str, Any]) -> str:
     if results.get("planner_options"):
         given = ", ".join(f"{k}={v}" for k, v in results["planner_options"].items())
         lines.append(f"Planner options (evolving): {given}.")
+    if results.get("held_out_seeds"):
+        seeds = ", ".join(str(k) for k in results["held_out_seeds"])
+        lines.append(f"Held-out seeds: {seeds} (a fresh draw; the protocol's: 4, 5).")
     if wall is not None:
         lines.append(f"Wall time: {wall:,.0f} s.")
     for label, r in results["runs"].items():

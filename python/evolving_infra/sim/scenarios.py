@@ -126,6 +126,8 @@ class Size:
     deployment: Deployment = DEFAULT_DEPLOYMENT
     # The evolving planner's settings (`planner.options`), for every run.
     planner_options: tuple[Option, ...] = ()
+    # The `heldout` scenario's generator seeds (`heldout.check_fresh`); None: the protocol's.
+    held_out_seeds: tuple[int, ...] | None = None
 
     def agents(self, n: float) -> int:
         a = max(1, round(n))
@@ -264,7 +266,8 @@ def _shift(size: Size) -> list[ScenarioRun]:
 def _heldout(size: Size) -> list[ScenarioRun]:
     # Every held-out cell (`heldout.cells`) with evolving and the best static split; quick: 16
     # GPUs, 600 s, the first seed only.
-    return _grid(size, heldout.cells(deployment_name(size.deployment)))
+    seeds = size.held_out_seeds or heldout.HELD_OUT_SEEDS
+    return _grid(size, heldout.cells(deployment_name(size.deployment), seeds))
 
 
 def _tuning(size: Size) -> list[ScenarioRun]:
@@ -485,6 +488,8 @@ def run_scenario(
         "planner_options": {name: value for name, value in size.planner_options},
         "runs": {},
     }
+    if size.held_out_seeds is not None:  # a fresh draw (`heldout.check_fresh`)
+        out["held_out_seeds"] = list(size.held_out_seeds)
     for i, run in enumerate(runs):
         if on_run is not None:
             on_run(i, len(runs), run)

@@ -177,6 +177,9 @@ class _PhaseState:
     min_samples: int  # distinct compositions a fit of its own needs
     pseudo: FloatArray  # raw features of the compositions the prior speaks for
     last_good: _Fit | None = None
+    # The largest batch (decode) or token count (prefill) in the window the fit was made on:
+    # past it, a decode prediction takes its shape from the prior (`predict_decode`).
+    seen_max: float = math.inf
     pending: int = 0
     refits: int = 0
     seen: int = 0
@@ -470,6 +473,7 @@ class IterationModel:
         fit = self._solve(ph, raw, y) if distinct >= ph.min_samples else None
         if fit is not None:
             ph.fit = ph.last_good = fit
+            ph.seen_max = float(raw[:, 0].max())
         elif ph.last_good is not None:
             # Singular window: the last good fit, rescaled by one factor to the data.
             ph.fit = ph.last_good.scaled(_scale(ph.last_good, raw, y), "last-fit")
@@ -591,8 +595,30 @@ class IterationModel:
         return self.prefill_form().seconds(uncached, cached)
 
     def predict_decode(self, batch_size: int, context_tokens: int) -> float:
-        """Seconds for one decode step of `batch_size` requests over `context_tokens` of KV."""
-        return self._phases["decode"].fit.one(batch_size, context_tokens)
+        """Seconds for one decode step of `batch_size` requests over `context_tokens` of KV.
+
+        Past the largest batch of the window the fit was made on: the fit's time at that batch
+        (the same context per request) plus the prior's growth from there to `batch_size`.
+        Why: the planner prices splits whose decode batches it has never run, and a window's
+        fit extrapolates its own line, where a mixture of experts' step grows ever more slowly
+        with the batch (the experts a batch touches saturate), which non-negative coefficients
+        past a knee cannot follow. On the Mooncake trace on the paper's deployment the fit of
+        the first minutes at 4P5D put a 228-request step at 292 ms against the truth's 54 (the
+        prior: 63), pricing 8P1D at 17 requests/s where it served 29 (docs/scenarios.md, issue
+        25). The growth is added, not multiplied: the prior is furthest off at small batches
+        (0.7x the truth at 8 on Kimi K2), where the window's edge usually is, and a ratio from
+        there would carry that error to every larger batch."""
+        ph = self._phases["decode"]
+        fit, prior = ph.fit, ph.prior
+        if prior is None or fit.source != "fit" or batch_size <= ph.seen_max:
+            return fit.one(batch_size, context_tokens)
+        edge = ph.seen_max
+        at_edge = context_tokens * edge / batch_size
+        return (
+            fit.one(edge, at_edge)
+            + prior.one(batch_size, context_tokens)
+            - prior.one(edge, at_edge)
+        )
 
     def predict_prefill_many(self, uncached: npt.ArrayLike, cached: npt.ArrayLike) -> FloatArray:
         """Single-request prefill seconds per element (vectorized: a handful of numpy ops)."""
