@@ -363,8 +363,13 @@ def test_a_fresh_held_out_draw_runs_the_same_cells_on_other_seeds() -> None:
     ]
     assert {r.config.seed for r in fresh}.isdisjoint({r.config.seed for r in protocol})
     heldout.check_fresh((6, 7))
-    for bad in ((0,), (3, 6), (6, 6), ()):
-        with pytest.raises(ValueError):
+    for bad, why in (
+        ((0,), "tuning data"),
+        ((3, 6), "tuning data"),
+        ((6, 6), "twice"),
+        ((), "one"),
+    ):
+        with pytest.raises(ValueError, match=why):
             heldout.check_fresh(bad)
 
 
