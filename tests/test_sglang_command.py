@@ -221,6 +221,38 @@ def test_command_exits_with_sglang_and_its_last_lines(capsys: pytest.CaptureFixt
     assert "fake sglang: exiting with 5" in err
 
 
+def test_ports_the_command_picks_leave_the_control_port_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel may hand out the `--grpc-port` a user picked (free when they picked it) as a
+    free port again: the command's own picks (SGLang's KV-event ports) must skip it, or SGLang
+    binds it first and the control then cannot listen (seen once in a full run)."""
+    from evolving_infra.engines.sglang import command as sglang_command
+
+    http, grpc_port = free_ports(2)
+    real = sglang_command.free_ports
+    monkeypatch.setattr(
+        sglang_command, "free_ports", lambda count, host: [*real(count - 1, host), grpc_port]
+    )
+    args = engine_args("--port", str(http), "--grpc-port", str(grpc_port))
+
+    async def main() -> EngineInfo:
+        stop = asyncio.Event()
+        serving = asyncio.create_task(
+            sglang_command.serve(args, server_command=STAND_IN, stop=stop)
+        )
+        try:
+            async with EngineClient(f"127.0.0.1:{grpc_port}", timeout=2.0) as client:
+                return await _first_info(client, serving)
+        finally:
+            stop.set()
+            await asyncio.wait_for(serving, 20)
+
+    info = asyncio.run(main())
+    assert info.http_url.endswith(f":{http}")
+    assert f":{grpc_port}" not in info.kv_events_endpoint + info.kv_replay_endpoint
+
+
 def test_sglang_flags_set_by_evolving_infra_are_refused_after_the_dashes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

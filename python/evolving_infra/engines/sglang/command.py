@@ -230,9 +230,11 @@ async def _serve(
     host = args.host
     local = "127.0.0.1" if _wildcard(host) else host
     advertise = args.advertise_host or (socket.getfqdn() if _wildcard(host) else host)
-    # Ports not given are picked together, apart from each other and from those given.
+    # Ports not given are picked together, apart from each other and from those given (the
+    # control's `--grpc-port` too: it binds after SGLang has bound what is picked here).
     given = [args.port, args.kv_events_port, args.kv_replay_port]
-    spare = [p for p in free_ports(3 + given.count(0), host) if p not in given]
+    taken = {p for p in (*given, args.grpc_port) if p}
+    spare = [p for p in free_ports(3 + len(taken), host) if p not in taken]
     port, kv_port, replay_port = (p or spare.pop() for p in given)
     hints, fpm = f"ipc://{tmp / 'hints'}", f"ipc://{tmp / 'fpm'}"
     try:
