@@ -230,9 +230,8 @@ def test_ports_the_command_picks_leave_the_control_port_alone(
     from evolving_infra.engines.sglang import command as sglang_command
 
     http, grpc_port = free_ports(2)
-    real = sglang_command.free_ports
     monkeypatch.setattr(
-        sglang_command, "free_ports", lambda count, host: [*real(count - 1, host), grpc_port]
+        sglang_command, "free_ports", lambda count, host: [*free_ports(count - 1, host), grpc_port]
     )
     args = engine_args("--port", str(http), "--grpc-port", str(grpc_port))
 
