@@ -13,6 +13,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import io
+import json
 import os
 import socket
 import subprocess
@@ -394,6 +395,12 @@ def _write(path: Path, text: str) -> Path:
          "--held-out-seeds names a seed twice: (6, 6)"),
         (["scenario", "run", "tuning", "--held-out-seeds", "6,7", "--out", "{tmp}/out"],
          "--held-out-seeds is for the heldout scenario, not tuning"),
+        (["scenario", "run", "shift", "--statics-from", "{tmp}/empty", "--out", "{tmp}/out"],
+         "--statics-from is for the heldout and tuning scenarios, not shift"),
+        (["scenario", "run", "tuning", "--statics-from", "{tmp}/empty", "--out", "{tmp}/out"],
+         "--statics-from: {tmp}/empty/results.json does not exist"),
+        (["scenario", "run", "tuning", "--statics-from", "{tmp}/ran", "--out", "{tmp}/out"],
+         "--statics-from: {tmp}/ran/results.json ran heldout (paper, quick False, seed 0)"),
         (["scenario", "check", "{tmp}"], "{tmp}/results.json does not exist"),
         (["engine", "--model", "llama-3-70b", "--tp", "1", "--port", "0"],
          "weights leave no GPU memory for KV (llama-3-70b on 1 x h100-sxm): give more GPUs"),
@@ -405,6 +412,9 @@ def test_what_a_user_can_get_wrong_is_one_line(
     (tmp_path / "empty").mkdir()
     _write(tmp_path / "bad.toml", "nodes = [\n")
     _write(tmp_path / "choice.toml", 'model = "nope"\n')
+    ran = {"scenario": "heldout", "deployment": "paper", "quick": False, "seed": 0, "runs": {}}
+    (tmp_path / "ran").mkdir()
+    _write(tmp_path / "ran" / "results.json", json.dumps(ran))
     assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
     line = error_line(capsys.readouterr().err, argv[0])
     assert words.format(tmp=tmp_path) in line, line

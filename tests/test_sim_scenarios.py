@@ -4,6 +4,7 @@ check can say yes and no on hand-made results."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,33 @@ def test_check_recomputes_the_claims_of_results_on_disk(tmp_path: Path) -> None:
     (tmp_path / "bad" / "results.json").write_text("{")
     with pytest.raises(WorkloadError, match="is not a scenario's results"):
         scenario_command.recheck(tmp_path / "bad")
+
+
+def test_statics_from_an_earlier_run_are_taken_and_the_rest_is_run(tmp_path: Path) -> None:
+    """`scenario run tuning --statics-from DIR/tuning`: each cell's best static split is the
+    earlier run's, evolving is run again (the same figures: the same inputs), the report names
+    the folder; results of another configuration are refused."""
+    size = Size(quick=True, duration=60.0, max_agents=2)
+    first = scenario_command.run_to("tuning", size, tmp_path / "a")
+    earlier = json.loads((first.parent / "results.json").read_text())
+    again = scenario_command.run_to(
+        "tuning", size, tmp_path / "b", statics=(first.parent, earlier["runs"])
+    )
+    reused = json.loads((again.parent / "results.json").read_text())
+    assert reused["statics_from"] == str(first.parent)
+    assert f"taken from {first.parent}" in again.read_text()
+    assert reused["runs"].keys() == earlier["runs"].keys()
+    for label, run in reused["runs"].items():
+        before = earlier["runs"][label]["policies"]
+        assert run["policies"]["best-static"] == before["best-static"]
+        evolving = ("throughput_tokens_per_s", "switches", "completed")
+        assert all(run["policies"]["evolving"][k] == before["evolving"][k] for k in evolving)
+        assert set(run["runtime"]) == {"evolving"}  # the static splits were not run
+    other = dataclasses.replace(size, duration=90.0)
+    with pytest.raises(WorkloadError, match="another trace or configuration"):
+        scenario_command.run_to(
+            "tuning", other, tmp_path / "c", statics=(first.parent, earlier["runs"])
+        )
 
 
 def test_unknown_scenario_is_a_workload_error(tmp_path: Path) -> None:

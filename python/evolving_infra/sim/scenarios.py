@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,7 @@ from evolving_infra.sim.policies import ABLATIONS, EVOLVING, PolicySpec
 from evolving_infra.sim.run import BEST_STATIC, compare
 from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment, deployment_name
 from evolving_infra.workloads import generators
+from evolving_infra.workloads.errors import WorkloadError
 from evolving_infra.workloads.model import Trace
 
 CLAUDE_CODE = "claude-code"  # a workload kind: sessions drawn from the bundled real traces
@@ -473,10 +474,13 @@ def run_scenario(
     progress: bool = False,
     on_run: Callable[[int, int, ScenarioRun], None] | None = None,
     jobs: int = 1,
+    statics: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Runs every run of `scenario`: `{"scenario", "quick", "seed", "runs": {label: compare's
     results}, "claims": [verdicts]}`, JSON-ready. `on_run(i, n, run)` is called before each;
-    `jobs`: policies of a run simulated at once (`run.compare`)."""
+    `jobs`: policies of a run simulated at once (`run.compare`). `statics`: the "runs" of
+    earlier results of the same runs, whose best static split is taken instead of run again
+    (`reuse_statics`)."""
     runs = scenario.runs(size)
     out: dict[str, Any] = {
         "scenario": scenario.name,
@@ -493,9 +497,48 @@ def run_scenario(
     for i, run in enumerate(runs):
         if on_run is not None:
             on_run(i, len(runs), run)
-        out["runs"][run.label] = run.execute(progress, jobs)
+        if statics is None:
+            out["runs"][run.label] = run.execute(progress, jobs)
+        else:
+            out["runs"][run.label] = reuse_statics(run, statics, progress, jobs)
     out["claims"] = [dataclasses.asdict(v) for v in check_all(scenario.checks, out["runs"])]
     return out
+
+
+def reuse_statics(
+    run: ScenarioRun, statics: Mapping[str, Any], progress: bool = False, jobs: int = 1
+) -> dict[str, Any]:
+    """`run` with its best static split taken from `statics` (the "runs" of earlier results)
+    and the other policies run: what a planner change is screened with (`scenario run tuning
+    --statics-from DIR`), ~5x faster than the grid run whole, since the eight static splits
+    of a cell are most of its time and run no planner. A WorkloadError where the earlier run
+    is not this one: another trace or another configuration but the planner's options.
+    It cannot tell a change to the static splits' own code (the router, the simulator): that
+    is the caller's to know (the report names the folder)."""
+    old = statics.get(run.label)
+    if not isinstance(old, Mapping) or BEST_STATIC not in old.get("policies", {}):
+        raise WorkloadError(f"{run.label}: no best static split in the results given")
+    policies = tuple(p for p in run.policies if p != BEST_STATIC)
+    if len(policies) == len(run.policies):
+        raise WorkloadError(f"{run.label}: this run has no best static split to reuse")
+    trace = run.workload.trace(run.config.seed)
+    config = run.config.to_dict(run.config.block_size or trace.block_size)
+    summary = {
+        "name": trace.name,
+        "agents": len(trace.agents),
+        "requests": trace.request_count,
+        "block_size": trace.block_size,
+    }
+
+    def unplanned(c: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in c.items() if k != "planner_options"}
+
+    if unplanned(config) != unplanned(old.get("config", {})) or summary != old.get("trace"):
+        raise WorkloadError(f"{run.label}: the results given ran another trace or configuration")
+    results = compare(trace, run.config, policies, progress=progress, jobs=jobs)
+    results["workload"] = dataclasses.asdict(run.workload)
+    results["policies"][BEST_STATIC] = old["policies"][BEST_STATIC]
+    return results
 
 
 def check_all(checks: Sequence[Check], runs: dict[str, Any]) -> list[Verdict]:
