@@ -83,6 +83,20 @@ def simulate(trace: Trace, config: SimConfig, spec: PolicySpec, tick: Tick | Non
     return Result(spec.name, summary, cluster.metrics.timeline, switches, cluster.stats, extra)
 
 
+def header(trace: Trace, config: SimConfig) -> dict[str, Any]:
+    """What `compare` records of its inputs: `{"config": {...}, "trace": {...}}` (a run's
+    results are another run's exactly when these and the policies' code are equal)."""
+    return {
+        "config": config.to_dict(config.block_size or trace.block_size),
+        "trace": {
+            "name": trace.name,
+            "agents": len(trace.agents),
+            "requests": trace.request_count,
+            "block_size": trace.block_size,
+        },
+    }
+
+
 def compare(
     trace: Trace,
     config: SimConfig,
@@ -97,18 +111,7 @@ def compare(
     runs at once (forked processes; see the module docstring)."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    block_size = config.block_size or trace.block_size
-    out: dict[str, Any] = {
-        "policies": {},
-        "config": config.to_dict(block_size),
-        "trace": {
-            "name": trace.name,
-            "agents": len(trace.agents),
-            "requests": trace.request_count,
-            "block_size": trace.block_size,
-        },
-        "runtime": {},
-    }
+    out: dict[str, Any] = {"policies": {}, **header(trace, config), "runtime": {}}
     runs: list[tuple[str, PolicySpec]] = []
     for p in policies:
         if isinstance(p, PolicySpec):

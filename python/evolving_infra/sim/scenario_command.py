@@ -131,13 +131,15 @@ def _statics(args: argparse.Namespace, size: Size) -> tuple[Path, dict[str, Any]
         )
     source = args.statics_from / "results.json"
     try:
-        results = json.loads(source.read_text(encoding="utf-8"))
-        runs = results["runs"]
-        given = (results["scenario"], results.get("deployment"), results["quick"], results["seed"])
-    except FileNotFoundError:
-        raise CommandError(f"--statics-from: {source} does not exist") from None
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CommandError(f"--statics-from: {source} is not a scenario's results ({e})") from None
+        results = _results(args.statics_from)
+    except WorkloadError as e:
+        raise CommandError(f"--statics-from: {e}") from None
+    given = (
+        results["scenario"],
+        results.get("deployment", "h100-llama"),  # as `report` reads results from before it
+        results.get("quick"),
+        results.get("seed"),
+    )
     want = (args.name, deployment_name(size.deployment), size.quick, size.seed)
     drawn = results.get("held_out_seeds")
     stored = tuple(drawn) if drawn else None
@@ -151,9 +153,7 @@ def _statics(args: argparse.Namespace, size: Size) -> tuple[Path, dict[str, Any]
             f"--statics-from: {source} ran {describe(given, stored)}; this run is"
             f" {describe(want, size.held_out_seeds)}"
         )
-    if not isinstance(runs, dict):
-        raise CommandError(f"--statics-from: {source} is not a scenario's results (runs)")
-    return args.statics_from, runs
+    return args.statics_from, results["runs"]
 
 
 def _held_out_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
@@ -230,20 +230,29 @@ def run_to(
     return path
 
 
-def recheck(folder: Path) -> Path:
-    """Recomputes the claims of FOLDER/results.json with the scenario's current checks and
-    rewrites it and report.md; returns the report's path."""
+def _results(folder: Path) -> dict[str, Any]:
+    """FOLDER/results.json as `run` wrote it (a scenario's name and its runs at least), or a
+    WorkloadError naming what is wrong."""
     source = folder / "results.json"
     try:
-        results = json.loads(source.read_text(encoding="utf-8"))
-        name = results["scenario"]
-        runs = results["runs"]
+        results: dict[str, Any] = json.loads(source.read_text(encoding="utf-8"))
+        if not isinstance(results["scenario"], str) or not isinstance(results["runs"], dict):
+            raise TypeError("scenario or runs of the wrong type")
     except FileNotFoundError:
         raise WorkloadError(
             f"{source} does not exist: give a folder `scenario run` wrote"
         ) from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise WorkloadError(f"{source} is not a scenario's results ({e})") from None
+    return results
+
+
+def recheck(folder: Path) -> Path:
+    """Recomputes the claims of FOLDER/results.json with the scenario's current checks and
+    rewrites it and report.md; returns the report's path."""
+    source = folder / "results.json"
+    results = _results(folder)
+    name, runs = results["scenario"], results["runs"]
     if name not in SCENARIOS:
         raise WorkloadError(f"{source}: unknown scenario {name!r}")
     verdicts = check_all(SCENARIOS[name].checks, runs)

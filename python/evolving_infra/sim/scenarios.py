@@ -67,7 +67,7 @@ from evolving_infra.sim.claims import (
 )
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.policies import ABLATIONS, EVOLVING, PolicySpec
-from evolving_infra.sim.run import BEST_STATIC, compare
+from evolving_infra.sim.run import BEST_STATIC, compare, header
 from evolving_infra.timing.specs import DEFAULT_DEPLOYMENT, Deployment, deployment_name
 from evolving_infra.workloads import generators
 from evolving_infra.workloads.errors import WorkloadError
@@ -192,8 +192,14 @@ class ScenarioRun:
     config: SimConfig
     policies: tuple[str | PolicySpec, ...]
 
-    def execute(self, progress: bool = False, jobs: int = 1) -> dict[str, Any]:
-        trace = self.workload.trace(self.config.seed)
+    def trace(self) -> Trace:
+        return self.workload.trace(self.config.seed)
+
+    def execute(
+        self, progress: bool = False, jobs: int = 1, trace: Trace | None = None
+    ) -> dict[str, Any]:
+        """`compare`'s results, on `trace` where the caller built it already (`self.trace()`)."""
+        trace = self.trace() if trace is None else trace
         results = compare(trace, self.config, self.policies, progress=progress, jobs=jobs)
         results["workload"] = dataclasses.asdict(self.workload)
         return results
@@ -521,22 +527,16 @@ def reuse_statics(
     policies = tuple(p for p in run.policies if p != BEST_STATIC)
     if len(policies) == len(run.policies):
         raise WorkloadError(f"{run.label}: this run has no best static split to reuse")
-    trace = run.workload.trace(run.config.seed)
-    config = run.config.to_dict(run.config.block_size or trace.block_size)
-    summary = {
-        "name": trace.name,
-        "agents": len(trace.agents),
-        "requests": trace.request_count,
-        "block_size": trace.block_size,
-    }
+    trace = run.trace()
+    mine = header(trace, run.config)
 
     def unplanned(c: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in c.items() if k != "planner_options"}
 
-    if unplanned(config) != unplanned(old.get("config", {})) or summary != old.get("trace"):
+    same_config = unplanned(mine["config"]) == unplanned(old.get("config", {}))
+    if not same_config or mine["trace"] != old.get("trace"):
         raise WorkloadError(f"{run.label}: the results given ran another trace or configuration")
-    results = compare(trace, run.config, policies, progress=progress, jobs=jobs)
-    results["workload"] = dataclasses.asdict(run.workload)
+    results = dataclasses.replace(run, policies=policies).execute(progress, jobs, trace)
     results["policies"][BEST_STATIC] = old["policies"][BEST_STATIC]
     return results
 
