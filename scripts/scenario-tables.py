@@ -1,11 +1,15 @@
 """Markdown tables of a folder of scenario results, for docs/scenarios.md.
 
     .venv/bin/python scripts/scenario-tables.py docs/scenario-results/DATE [--baselines A,B,..]
+        [--against docs/scenario-results/EARLIER]
 
 Reads every `NAME/results.json` that `evolving-infra scenario run NAME --out DIR` wrote and
 prints: output tokens/s and P95 TTFT per policy (a sweep with its best split), evolving's
-throughput over each baseline, the ablations (what each mechanism is worth), the held-out grid
-(evolving over the best static split and switches per hour, per cell), and every claim's
+throughput over each baseline, the ablations (what each mechanism is worth), the held-out and
+tuning grids (evolving over the best static split and switches per hour, per cell; cells under
+issue 25's bar, `heldout.BEST_STATIC_FLOOR` and `SWITCHES_PER_HOUR`, in bold; with
+`--against`, the same figures of an earlier folder's run of the cell beside them: what a planner
+change moved), and every claim's
 verdict. A run whose label differs from its scenario's name (e.g. the shift at a 180 s restart)
 gets a row of its own.
 """
@@ -17,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from evolving_infra.sim.heldout import BEST_STATIC_FLOOR, SWITCHES_PER_HOUR
+
 DEFAULT = (
     "evolving,dynamo,dynamo-load,dynamo-hicache,arrow,"
     "best-dynamo-static,best-dynamo-hicache-static,best-arrow-static,best-static"
@@ -25,6 +31,7 @@ ORDER = (
     "cc-low", "cc-mid", "cc-high", "putnam-low", "putnam-mid", "putnam-high",
     "osworld-low", "osworld-mid", "osworld-high", "shift", "scale-36", "scale-256", "scale-3072",
 )  # fmt: skip
+GRIDS = ("heldout", "tuning")  # scenarios whose runs are a grid of cells (issue 25's bar)
 ABLATIONS = (
     "evolving-lru", "evolving-dynamo-cost", "evolving-no-pool", "evolving-drop", "evolving-fixed"
 )  # fmt: skip
@@ -40,15 +47,39 @@ def _rows(folder: Path) -> list[tuple[str, dict[str, Any]]]:
     for name in sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else 99, n)):
         results = json.loads((folder / name / "results.json").read_text())
         for label, run in results["runs"].items():
-            row = name if len(results["runs"]) == 1 or label == name else f"{name}: {label}"
+            single = len(results["runs"]) == 1 and name not in GRIDS  # a grid's rows are cells
+            row = name if single or label == name else f"{name}: {label}"
             out.append((row, run["policies"]))
     return out
+
+
+def _grid_row(row: str) -> bool:
+    return any(row.startswith(f"{g}: ") for g in GRIDS)
+
+
+def _cell(p: dict[str, Any]) -> tuple[float, float]:
+    """A grid cell's evolving / best static and evolving's switches an hour."""
+    evo, best = p["evolving"], p["best-static"]
+    hours = max(evo.get("duration_s", 3600.0), 1.0) / 3600.0
+    return evo["throughput_tokens_per_s"] / max(best["throughput_tokens_per_s"], 1e-9), evo[
+        "switches"
+    ] / hours
+
+
+def _figures(ratio: float, per_hour: float) -> str:
+    text = f"{ratio:.3f}, {per_hour:.1f}"
+    return text if ratio >= BEST_STATIC_FLOOR and per_hour <= SWITCHES_PER_HOUR else f"**{text}**"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--baselines", default=DEFAULT, help="policies, in column order")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="an earlier folder of results: its grid cells' figures beside these",
+    )
     args = parser.parse_args()
     cols = args.baselines.split(",")
     rows = [(r, p) for r, p in _rows(args.folder) if "evolving" in p]
@@ -57,7 +88,7 @@ def main() -> None:
     level = [
         (r, p)
         for r, p in rows
-        if len(p) > 1 and not any(a in p for a in ABLATIONS) and not r.startswith("heldout: ")
+        if len(p) > 1 and not any(a in p for a in ABLATIONS) and not _grid_row(r)
     ]
 
     print("| scenario | " + " | ".join(cols) + " |")
@@ -112,20 +143,26 @@ def main() -> None:
             head = f"{evo['throughput_tokens_per_s']:,.0f} (lost {evo['lost_kv_reuse'] or 0:.3f})"
             print(f"| {row} | {head} | " + " | ".join(cells) + " | " + "; ".join(refs) + " |")
 
-    grid = [(r, p) for r, p in rows if r.startswith("heldout: ") and "best-static" in p]
+    grid = [(r, p) for r, p in rows if _grid_row(r) and "best-static" in p]
     if grid:
+        before = {}
+        if args.against is not None:
+            before = {r: p for r, p in _rows(args.against) if "evolving" in p}
         print()
-        print("| held-out cell | evolving tok/s | best static | evolving / best | switches/h |")
-        print("|---|---|---|---|---|")
+        head = "| grid cell | evolving tok/s | best static | evolving / best, switches/h |"
+        print(head + (f" before ({args.against.name}) |" if args.against else ""))
+        print("|---" * (4 + bool(args.against)) + "|")
         for row, p in grid:
             evo, best = p["evolving"], p["best-static"]
-            hours = max(evo.get("duration_s", 3600.0), 1.0) / 3600.0
-            ratio = evo["throughput_tokens_per_s"] / max(best["throughput_tokens_per_s"], 1e-9)
-            print(
-                f"| {row.removeprefix('heldout: ')} | {evo['throughput_tokens_per_s']:,.0f} |"
+            line = (
+                f"| {row} | {evo['throughput_tokens_per_s']:,.0f} |"
                 f" {best['throughput_tokens_per_s']:,.0f} ({best.get('split', '?')}) |"
-                f" {ratio:.3f} | {evo['switches'] / hours:.1f} |"
+                f" {_figures(*_cell(p))} |"
             )
+            if args.against is not None:
+                old = before.get(row)
+                line += f" {_figures(*_cell(old))} |" if old and "best-static" in old else " - |"
+            print(line)
 
     print()
     print("| scenario | claim | outcome |")
