@@ -175,6 +175,30 @@ def test_statics_from_an_earlier_run_are_taken_and_the_rest_is_run(tmp_path: Pat
         )
 
 
+def test_a_grid_runs_the_cells_and_policies_asked_for(tmp_path: Path) -> None:
+    """`scenario run heldout --cells A,B --policies ...`: those cells alone, in the grid's
+    order, each with those policies (a fair baseline beside evolving), and the results say so;
+    a label the grid does not have is refused, naming the grid's cells."""
+    every = [r.label for r in SCENARIOS["heldout"].runs(Size(quick=True))]
+    asked = (every[3], every[0])
+    size = Size(
+        quick=True, duration=60.0, max_agents=2, cells=asked, policies=("evolving", "dynamo")
+    )
+    runs = SCENARIOS["heldout"].runs(size)
+    assert [r.label for r in runs] == [every[0], every[3]]
+    assert {r.policies for r in runs} == {("evolving", "dynamo")}
+    path = scenario_command.run_to("heldout", size, tmp_path)
+    results = json.loads((path.parent / "results.json").read_text())
+    assert list(results["runs"]) == [every[0], every[3]]
+    assert all(set(r["policies"]) == {"evolving", "dynamo"} for r in results["runs"].values())
+    assert results["cells"] == list(asked)
+    assert results["policies"] == ["evolving", "dynamo"]
+    (plain, *_) = SCENARIOS["heldout"].runs(Size(quick=True))
+    assert plain.policies == ("evolving", "best-static")  # without them: the grid's own
+    with pytest.raises(ValueError, match=f"no cell 'nope' in this grid .*{every[0]}"):
+        SCENARIOS["heldout"].runs(dataclasses.replace(size, cells=("nope",)))
+
+
 def test_unknown_scenario_is_a_workload_error(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="unknown scenario"):
         scenario_command.run_to("nope", Size(), tmp_path)

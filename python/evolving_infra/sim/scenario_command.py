@@ -19,13 +19,14 @@ from evolving_infra.planner import options
 from evolving_infra.sim import heldout
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.deployments import add_deployment_arguments, deployment_from
-from evolving_infra.sim.policies import SWEEPS
+from evolving_infra.sim.policies import SWEEPS, policy
 from evolving_infra.sim.run import main_table
 from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, check_all, run_scenario
 from evolving_infra.timing.specs import deployment_name
 from evolving_infra.workloads.errors import WorkloadError
 
 NAME = "scenario"
+GRIDS = ("heldout", "tuning")  # the scenarios whose runs are cells of a grid
 HELP = "run the paper's scenarios by name and check its claims"
 DESCRIPTION = """\
 Named simulator scenarios (issue 5): stationary Claude Code, Putnam and OSWorld at three
@@ -35,6 +36,7 @@ switched off alone) and 36 / 256 / 3,072 GPUs. Each is one or more `sim` compari
   scenario list                          names, what each shows, the claim, expected wall time
   scenario run NAME [--quick] [--seed K] [--out DIR] [--jobs N]
   scenario run heldout|tuning --statics-from DIR/NAME   evolving again, the statics kept
+  scenario run heldout|tuning --cells L,.. --policies P,..   some cells, other policies
   scenario check DIR/NAME...             the claims again, on results already written
 
 `run` writes DIR/NAME/results.json (every run's results as `sim` writes them, under "runs", and
@@ -83,6 +85,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="heldout only: a fresh draw, these generator seeds instead of the protocol's 4,5"
         " (not the tuning seeds 0,1 nor the consumed draw 2,3; docs/scenarios.md)",
     )
+    run.add_argument(
+        "--cells",
+        metavar="LABEL,...",
+        help="heldout and tuning only: these cells of the grid, by label (default: every one)",
+    )
+    run.add_argument(
+        "--policies",
+        metavar="NAME,...",
+        help="heldout and tuning only: the cells' policies instead of evolving and best-static"
+        " (`sim --policies` names, e.g. every fair baseline beside evolving)",
+    )
     add_deployment_arguments(run, default="paper")
     options.add_argument(run)
     check = sub.add_parser("check", help="recompute the claims of scenario results on disk")
@@ -107,11 +120,15 @@ def run(args: argparse.Namespace) -> int:
         deployment=deployment_from(args),
         planner_options=tuple(args.planner_option),
         held_out_seeds=_held_out_seeds(args),
+        cells=_names(args, "cells"),
+        policies=_names(args, "policies"),
     )
     try:  # settings the planner refuses: before the runs, not in the first one
         SimConfig(deployment=size.deployment, planner_options=size.planner_options)
     except ValueError as e:
         raise CommandError(str(e)) from None
+    if size.cells is not None or size.policies is not None:
+        _check_grid(args.name, size)
     check_output_folder(args.out, "--out")  # before the runs, not after them
     statics = None if args.statics_from is None else _statics(args, size)
     path = run_to(
@@ -125,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 def _statics(args: argparse.Namespace, size: Size) -> tuple[Path, dict[str, Any]]:
     """`--statics-from`'s folder and its results' runs, for a run of the same scenario, the
     same deployment and the same draw."""
-    if args.name not in ("heldout", "tuning"):
+    if args.name not in GRIDS:
         raise CommandError(
             f"--statics-from is for the heldout and tuning scenarios, not {args.name}"
         )
@@ -154,6 +171,32 @@ def _statics(args: argparse.Namespace, size: Size) -> tuple[Path, dict[str, Any]
             f" {describe(want, size.held_out_seeds)}"
         )
     return args.statics_from, results["runs"]
+
+
+def _names(args: argparse.Namespace, option: str) -> tuple[str, ...] | None:
+    """`--cells` or `--policies` as names; None when not given."""
+    text = getattr(args, option)
+    if text is None:
+        return None
+    if args.name not in GRIDS:
+        raise CommandError(f"--{option} is for the heldout and tuning scenarios, not {args.name}")
+    if option == "policies" and args.statics_from is not None:
+        raise CommandError("--policies and --statics-from: --statics-from runs evolving alone")
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise CommandError(f"--{option} names nothing")
+    return names
+
+
+def _check_grid(name: str, size: Size) -> None:
+    """The cells the grid has and policies that fit its nodes, before the runs."""
+    try:
+        runs = SCENARIOS[name].runs(size)
+        for policy_name in size.policies or ():
+            if policy_name not in SWEEPS:
+                policy(policy_name, runs[0].config.nodes)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
 def _held_out_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:

@@ -129,6 +129,11 @@ class Size:
     planner_options: tuple[Option, ...] = ()
     # The `heldout` scenario's generator seeds (`heldout.check_fresh`); None: the protocol's.
     held_out_seeds: tuple[int, ...] | None = None
+    # The grids (`heldout`, `tuning`): the cells to run, by label (None: every one), and their
+    # policies (None: evolving and the best static split), e.g. every fair baseline on a few
+    # held-out cells. A label the grid does not have is a ValueError (`_grid`).
+    cells: tuple[str, ...] | None = None
+    policies: tuple[str, ...] | None = None
 
     def agents(self, n: float) -> int:
         a = max(1, round(n))
@@ -286,12 +291,19 @@ def _grid(size: Size, every: Sequence[heldout.Cell]) -> list[ScenarioRun]:
     gpus = QUICK_GPUS if size.quick else 36
     d = size.seconds(FULL_DURATION, QUICK_DURATION)
     cells = [c for c in every if not size.quick or c.seed == every[0].seed]
+    if size.cells is not None:
+        labels = [c.label for c in cells]
+        unknown = [x for x in size.cells if x not in labels]
+        if unknown:
+            raise ValueError(f"no cell {unknown[0]!r} in this grid (cells: {', '.join(labels)})")
+        cells = [c for c in cells if c.label in size.cells]
+    policies = size.policies or ("evolving", BEST_STATIC)
     return [
         ScenarioRun(
             c.label,
             Workload(c.kind, size.agents(c.agents * gpus / 36), d),
             _config(gpus, size, d, seed=c.seed + size.seed),
-            ("evolving", BEST_STATIC),
+            policies,
         )
         for c in cells
     ]
@@ -500,6 +512,10 @@ def run_scenario(
     }
     if size.held_out_seeds is not None:  # a fresh draw (`heldout.check_fresh`)
         out["held_out_seeds"] = list(size.held_out_seeds)
+    if size.cells is not None:
+        out["cells"] = list(size.cells)
+    if size.policies is not None:
+        out["policies"] = list(size.policies)
     for i, run in enumerate(runs):
         if on_run is not None:
             on_run(i, len(runs), run)
