@@ -7,7 +7,7 @@ Reads every `NAME/results.json` that `evolving-infra scenario run NAME --out DIR
 prints: output tokens/s and P95 TTFT per policy (a sweep with its best split), evolving's
 throughput over each baseline, the ablations (what each mechanism is worth), the held-out and
 tuning grids (evolving over the best static split and switches per hour, per cell; cells under
-issue 25's bar, `heldout.BEST_STATIC_FLOOR` and `SWITCHES_PER_HOUR`, in bold; with
+issue 25's bar, `claims.meets_bar`, in bold; with
 `--against`, the same figures of an earlier folder's run of the cell beside them: what a planner
 change moved), and every claim's
 verdict. A run whose label differs from its scenario's name (e.g. the shift at a 180 s restart)
@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from evolving_infra.sim.heldout import BEST_STATIC_FLOOR, SWITCHES_PER_HOUR
+from evolving_infra.sim.claims import grid_cell, meets_bar
+from evolving_infra.sim.scenarios import GRIDS
 
 DEFAULT = (
     "evolving,dynamo,dynamo-load,dynamo-hicache,arrow,"
@@ -31,7 +32,6 @@ ORDER = (
     "cc-low", "cc-mid", "cc-high", "putnam-low", "putnam-mid", "putnam-high",
     "osworld-low", "osworld-mid", "osworld-high", "shift", "scale-36", "scale-256", "scale-3072",
 )  # fmt: skip
-GRIDS = ("heldout", "tuning")  # scenarios whose runs are a grid of cells (issue 25's bar)
 ABLATIONS = (
     "evolving-lru", "evolving-dynamo-cost", "evolving-no-pool", "evolving-drop", "evolving-fixed"
 )  # fmt: skip
@@ -57,18 +57,11 @@ def _grid_row(row: str) -> bool:
     return any(row.startswith(f"{g}: ") for g in GRIDS)
 
 
-def _cell(p: dict[str, Any]) -> tuple[float, float]:
-    """A grid cell's evolving / best static and evolving's switches an hour."""
-    evo, best = p["evolving"], p["best-static"]
-    hours = max(evo.get("duration_s", 3600.0), 1.0) / 3600.0
-    return evo["throughput_tokens_per_s"] / max(best["throughput_tokens_per_s"], 1e-9), evo[
-        "switches"
-    ] / hours
-
-
-def _figures(ratio: float, per_hour: float) -> str:
+def _figures(p: dict[str, Any]) -> str:
+    """A grid cell's figures (`claims.grid_cell`), in bold when under the bar."""
+    ratio, per_hour = grid_cell(p)
     text = f"{ratio:.3f}, {per_hour:.1f}"
-    return text if ratio >= BEST_STATIC_FLOOR and per_hour <= SWITCHES_PER_HOUR else f"**{text}**"
+    return text if meets_bar(ratio, per_hour) else f"**{text}**"
 
 
 def main() -> None:
@@ -157,11 +150,11 @@ def main() -> None:
             line = (
                 f"| {row} | {evo['throughput_tokens_per_s']:,.0f} |"
                 f" {best['throughput_tokens_per_s']:,.0f} ({best.get('split', '?')}) |"
-                f" {_figures(*_cell(p))} |"
+                f" {_figures(p)} |"
             )
             if args.against is not None:
                 old = before.get(row)
-                line += f" {_figures(*_cell(old))} |" if old and "best-static" in old else " - |"
+                line += f" {_figures(old)} |" if old and "best-static" in old else " - |"
             print(line)
 
     print()

@@ -21,12 +21,18 @@ from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.deployments import add_deployment_arguments, deployment_from
 from evolving_infra.sim.policies import SWEEPS, policy
 from evolving_infra.sim.run import main_table
-from evolving_infra.sim.scenarios import SCENARIOS, ScenarioRun, Size, check_all, run_scenario
+from evolving_infra.sim.scenarios import (
+    GRIDS,
+    SCENARIOS,
+    ScenarioRun,
+    Size,
+    check_all,
+    run_scenario,
+)
 from evolving_infra.timing.specs import deployment_name
 from evolving_infra.workloads.errors import WorkloadError
 
 NAME = "scenario"
-GRIDS = ("heldout", "tuning")  # the scenarios whose runs are cells of a grid
 HELP = "run the paper's scenarios by name and check its claims"
 DESCRIPTION = """\
 Named simulator scenarios (issue 5): stationary Claude Code, Putnam and OSWorld at three

@@ -287,6 +287,10 @@ def _tuning(size: Size) -> list[ScenarioRun]:
     return _grid(size, heldout.tuning_cells(deployment_name(size.deployment)))
 
 
+# The scenarios whose runs are the cells of a grid (issue 25's bar, `claims.meets_bar`).
+GRIDS = ("heldout", "tuning")
+
+
 def _grid(size: Size, every: Sequence[heldout.Cell]) -> list[ScenarioRun]:
     gpus = QUICK_GPUS if size.quick else 36
     d = size.seconds(FULL_DURATION, QUICK_DURATION)
