@@ -14,7 +14,7 @@ import pytest
 from evolving_infra.sim import claims, heldout, scenario_command
 from evolving_infra.sim.claims import holds_on_held_out
 from evolving_infra.sim.policies import ABLATIONS, PolicySpec
-from evolving_infra.sim.scenarios import LEVELS_BY_DEPLOYMENT, SCENARIOS, Size
+from evolving_infra.sim.scenarios import LEVELS_BY_DEPLOYMENT, SCENARIOS, Size, Workload
 from evolving_infra.timing.specs import PAPER_DEPLOYMENT
 from evolving_infra.workloads.errors import WorkloadError
 
@@ -193,6 +193,7 @@ def test_a_grid_runs_the_cells_and_policies_asked_for(tmp_path: Path) -> None:
     assert all(set(r["policies"]) == {"evolving", "dynamo"} for r in results["runs"].values())
     assert results["cells"] == list(asked)
     assert results["policies"] == ["evolving", "dynamo"]
+    assert results["start_ramp_s"] == 15.0  # a quarter of the 60 s run: how its agents entered
     (plain, *_) = SCENARIOS["heldout"].runs(Size(quick=True))
     assert plain.policies == ("evolving", "best-static")  # without them: the grid's own
     with pytest.raises(ValueError, match=f"no cell 'nope' in this grid .*{every[0]}"):
@@ -401,6 +402,31 @@ def test_the_tuning_grid_draws_on_the_tuning_half_only() -> None:
     paper = SCENARIOS["tuning"].runs(Size(deployment=PAPER_DEPLOYMENT))
     assert [r.label for r in paper] == [c.label for c in heldout.tuning_cells("paper")]
     assert {r.workload.kind for r in paper} == {"claude-code-tune", "osworld", "putnam"}
+
+
+def test_the_grids_agents_enter_over_a_quarter_of_the_run() -> None:
+    """A grid cell is a stationary workload: its slots enter over the first quarter of the run
+    (`heldout.STEADY_RAMP`), not all within the first minute as the other scenarios' do;
+    `--start-ramp` sets it (60: a batch launched at once)."""
+    assert {r.workload.ramp for r in SCENARIOS["heldout"].runs(Size())} == {900.0}
+    assert {r.workload.ramp for r in SCENARIOS["tuning"].runs(Size(quick=True))} == {150.0}
+    batch = SCENARIOS["tuning"].runs(Size(start_ramp_s=60.0))
+    assert {r.workload.ramp for r in batch} == {60.0}
+    assert {r.workload.ramp for r in SCENARIOS["shift"].runs(Size())} == {None}
+    assert "entering over 900 s" in SCENARIOS["heldout"].runs(Size())[0].workload.describe()
+    with pytest.raises(ValueError, match="must enter within the run"):
+        SCENARIOS["tuning"].runs(Size(start_ramp_s=3600.0))
+
+    def first_starts(ramp: float | None) -> list[float]:
+        trace = Workload("osworld", 40, 3600.0, ramp).trace(4)
+        return sorted(a.start for a in trace.agents if a.id.endswith(".0"))
+
+    steady, together = first_starts(900.0), first_starts(None)
+    assert len(steady) == len(together) == 40
+    assert steady[0] >= 0.0
+    assert steady[-1] < 900.0
+    assert steady[-1] - steady[0] > 600.0
+    assert together[-1] < 60.0  # the plan's default: every slot within the first minute
 
 
 def test_a_fresh_held_out_draw_runs_the_same_cells_on_other_seeds() -> None:

@@ -12,8 +12,9 @@ giving Mooncake's fresh prompts eight prefill nodes, which led to its queueing m
 is on seeds 4 and 5, which no change was judged on. The `heldout` scenario runs every held-out
 cell with `evolving` and `best-static`; `holds_on_held_out` is the issue's bar: evolving at
 least 0.98x the best static split in every cell, with at most 4 switches per simulated hour
-(every cell is stationary). The `tuning` scenario runs the tuning grid (`TUNING_KINDS`) the same
-way: a planner change is judged there, and the held-out grid is run once it is made. A grid
+(every cell is stationary: its agents enter over the first quarter hour, `STEADY_RAMP`). The
+`tuning` scenario runs the tuning grid (`TUNING_KINDS`) the same way: a planner change is judged
+there, and the held-out grid is run once it is made. A grid
 run on seeds 4-5 has been seen by the change it judged; `--held-out-seeds` runs the held-out
 cells on a fresh draw (`check_fresh`: never the tuning seeds or a consumed draw), on which
 the next change is judged as well (seeds 6-7 first, 2026-12-07).
@@ -32,6 +33,17 @@ TUNE_SEEDS = (0, 1)
 CONSUMED_SEEDS = (2, 3)  # a held-out draw a change was then made after: tuning data since
 BEST_STATIC_FLOOR = 0.98  # evolving / best static, every cell
 SWITCHES_PER_HOUR = 4.0  # at most, on a stationary workload
+# The grids' agents enter over the first quarter of the run (`SlotPlan.ramp`: 15 minutes of an
+# hour), not the first minute as the other scenarios' do: a grid cell is a stationary workload.
+# With every slot starting within a minute their sessions' contexts grow in step; on OSWorld at
+# 120 held-out agents on the H100s (seed 7) every split then served 200-600 tok/s over minutes
+# 17-45 against ~1,500 before and after, and the splits' hour ranked by which came out of that
+# trough first (2P7D 1,158 tok/s, 3P6D 912, 1P8D 683); entering over 15 minutes, the same
+# agents ran at 1,100-1,900 tok/s the hour through (docs/scenarios.md, issue 25, 2026-12-07,
+# fifth session). A synchronized start (a batch of episodes launched at once, as an evaluation
+# or an RL rollout does) is `--start-ramp 60`.
+STEADY_RAMP = 0.25  # of the run's duration
+LEGACY_RAMP_S = 60.0  # the grids' start before 2026-12-07 (results without `start_ramp_s`)
 
 
 def bundled_files() -> list[Path]:

@@ -13,7 +13,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from evolving_infra.argtypes import check_output_folder, natural_int, positive_int
+from evolving_infra.argtypes import (
+    check_output_folder,
+    natural_int,
+    natural_seconds,
+    positive_int,
+)
 from evolving_infra.errors import CommandError
 from evolving_infra.planner import options
 from evolving_infra.sim import heldout
@@ -92,6 +97,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " (not the tuning seeds 0,1 nor the consumed draw 2,3; docs/scenarios.md)",
     )
     run.add_argument(
+        "--start-ramp",
+        type=natural_seconds,
+        metavar="SECONDS",
+        help="heldout and tuning only: the cells' agents enter over this many seconds (default:"
+        f" {heldout.STEADY_RAMP:.0%} of the run, 900 of an hour: a stationary workload; 60: a"
+        " batch launched at once, whose sessions' contexts grow in step)",
+    )
+    run.add_argument(
         "--cells",
         metavar="LABEL,...",
         help="heldout and tuning only: these cells of the grid, by label (default: every one)",
@@ -128,12 +141,13 @@ def run(args: argparse.Namespace) -> int:
         held_out_seeds=_held_out_seeds(args),
         cells=_names(args, "cells"),
         policies=_names(args, "policies"),
+        start_ramp_s=_start_ramp(args),
     )
     try:  # settings the planner refuses: before the runs, not in the first one
         SimConfig(deployment=size.deployment, planner_options=size.planner_options)
     except ValueError as e:
         raise CommandError(str(e)) from None
-    if size.cells is not None or size.policies is not None:
+    if size.cells is not None or size.policies is not None or size.start_ramp_s is not None:
         _check_grid(args.name, size)
     check_output_folder(args.out, "--out")  # before the runs, not after them
     statics = None if args.statics_from is None else _statics(args, size)
@@ -166,17 +180,35 @@ def _statics(args: argparse.Namespace, size: Size) -> tuple[Path, dict[str, Any]
     want = (args.name, deployment_name(size.deployment), size.quick, size.seed)
     drawn = results.get("held_out_seeds")
     stored = tuple(drawn) if drawn else None
-    if given != want or stored != size.held_out_seeds:
+    # Results from before `start_ramp_s` was recorded ran the slots' default minute.
+    ramp = float(results.get("start_ramp_s", heldout.LEGACY_RAMP_S))
+    ramp_now = _ramp(args.name, size)
+    if given != want or stored != size.held_out_seeds or ramp != ramp_now:
 
-        def describe(what: tuple[Any, ...], seeds: tuple[int, ...] | None) -> str:
+        def describe(what: tuple[Any, ...], seeds: tuple[int, ...] | None, ramp: float) -> str:
             draw = "" if seeds is None else f", held-out seeds {','.join(map(str, seeds))}"
-            return f"{what[0]} ({what[1]}, quick {what[2]}, seed {what[3]}{draw})"
+            start = f", agents entering over {ramp:.0f} s"
+            return f"{what[0]} ({what[1]}, quick {what[2]}, seed {what[3]}{draw}{start})"
 
         raise CommandError(
-            f"--statics-from: {source} ran {describe(given, stored)}; this run is"
-            f" {describe(want, size.held_out_seeds)}"
+            f"--statics-from: {source} ran {describe(given, stored, ramp)}; this run is"
+            f" {describe(want, size.held_out_seeds, ramp_now)}"
         )
     return args.statics_from, results["runs"]
+
+
+def _ramp(name: str, size: Size) -> float:
+    """The seconds over which the grid's agents enter in this run."""
+    ramp = SCENARIOS[name].runs(size)[0].workload.ramp
+    assert ramp is not None, "a grid's runs say how their agents enter"
+    return ramp
+
+
+def _start_ramp(args: argparse.Namespace) -> float | None:
+    """`--start-ramp`, for a grid only; None when not given."""
+    if args.start_ramp is not None and args.name not in GRIDS:
+        raise CommandError(f"--start-ramp is for the heldout and tuning scenarios, not {args.name}")
+    return args.start_ramp
 
 
 def _names(args: argparse.Namespace, option: str) -> tuple[str, ...] | None:

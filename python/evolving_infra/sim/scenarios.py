@@ -134,6 +134,21 @@ class Size:
     # held-out cells. A label the grid does not have is a ValueError (`_grid`).
     cells: tuple[str, ...] | None = None
     policies: tuple[str, ...] | None = None
+    # The grids' agents enter over this many seconds (`SlotPlan.ramp`); None: the grids'
+    # `heldout.STEADY_RAMP` of the run (the other scenarios keep the plan's minute).
+    start_ramp_s: float | None = None
+
+    def grid_ramp(self, duration: float) -> float:
+        """Seconds over which a grid's agents enter, in a run of `duration` seconds; a
+        ValueError if they would not all have entered by its end."""
+        if self.start_ramp_s is None:
+            return heldout.STEADY_RAMP * duration
+        if self.start_ramp_s >= duration:
+            raise ValueError(
+                f"the agents must enter within the run ({duration:.0f} s), got a ramp of"
+                f" {self.start_ramp_s:.0f} s"
+            )
+        return self.start_ramp_s
 
     def agents(self, n: float) -> int:
         a = max(1, round(n))
@@ -152,13 +167,16 @@ class Workload:
     kind: str  # a generator's CLI name, or CLAUDE_CODE
     agents: int
     duration: float
+    ramp: float | None = None  # the slots enter over [0, ramp) s; None: `SlotPlan`'s default
 
     def __post_init__(self) -> None:
         if self.kind not in TRACE_KINDS and self.kind not in generators.MODULES:
             raise ValueError(f"unknown workload {self.kind!r}")
 
     def trace(self, seed: int) -> Trace:
-        plan = generators.SlotPlan(agents=self.agents, duration=self.duration, seed=seed)
+        plan = generators.SlotPlan(
+            agents=self.agents, duration=self.duration, seed=seed, ramp=self.ramp
+        )
         if self.kind in TRACE_KINDS:
             from evolving_infra.workloads.sampling import sample_agents
 
@@ -166,7 +184,8 @@ class Workload:
         return generators.generate(self.kind, plan)
 
     def describe(self) -> str:
-        return f"{self.kind}, {self.agents} agents, {self.duration:,.0f} s"
+        start = "" if self.ramp is None else f", entering over {self.ramp:,.0f} s"
+        return f"{self.kind}, {self.agents} agents, {self.duration:,.0f} s{start}"
 
 
 @functools.cache
@@ -305,7 +324,7 @@ def _grid(size: Size, every: Sequence[heldout.Cell]) -> list[ScenarioRun]:
     return [
         ScenarioRun(
             c.label,
-            Workload(c.kind, size.agents(c.agents * gpus / 36), d),
+            Workload(c.kind, size.agents(c.agents * gpus / 36), d, size.grid_ramp(d)),
             _config(gpus, size, d, seed=c.seed + size.seed),
             policies,
         )
@@ -516,6 +535,8 @@ def run_scenario(
     }
     if size.held_out_seeds is not None:  # a fresh draw (`heldout.check_fresh`)
         out["held_out_seeds"] = list(size.held_out_seeds)
+    if scenario.name in GRIDS and runs:  # how the agents entered (`heldout.STEADY_RAMP`)
+        out["start_ramp_s"] = runs[0].workload.ramp
     if size.cells is not None:
         out["cells"] = list(size.cells)
     if size.policies is not None:
