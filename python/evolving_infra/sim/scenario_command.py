@@ -208,7 +208,7 @@ def _start_ramp(args: argparse.Namespace) -> float | None:
     """`--start-ramp`, for a grid only; None when not given."""
     if args.start_ramp is not None and args.name not in GRIDS:
         raise CommandError(f"--start-ramp is for the heldout and tuning scenarios, not {args.name}")
-    return args.start_ramp
+    return None if args.start_ramp is None else float(args.start_ramp)
 
 
 def _names(args: argparse.Namespace, option: str) -> tuple[str, ...] | None:
