@@ -21,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from evolving_infra import InvalidArgumentError, PagedPrompt, block_hashes
 from evolving_infra.router.api import ChatMessage, ChatRequest, CompletionRequest, SamplingParams
 from evolving_infra.router.tokenize import ByteTokenizer, HfTokenizer, Tokenizer, encode_chat
-from evolving_infra.router.turns import Encoded, TurnCache
+from evolving_infra.router.turns import INLINE_CHARS, INLINE_IDS, Encoded, TurnCache
 from router_helpers import PAGE, Router, run_router
 
 CORPUS = [
@@ -244,8 +244,13 @@ def _value(r: Router, name: str) -> float:
     raise AssertionError(f"no sample {name}")
 
 
-def test_the_app_tokenizes_a_branch_once_and_forgets_it_when_it_ends(bpe: Tokenizer) -> None:
-    first: list[dict[str, str]] = [{"role": "user", "content": "the agent reads the file " * 20}]
+@pytest.mark.parametrize("repeat", [20, 200])  # 500 characters: encoded inline; 5,000: in a thread
+def test_the_app_tokenizes_a_branch_once_and_forgets_it_when_it_ends(
+    bpe: Tokenizer, repeat: int
+) -> None:
+    content = "the agent reads the file " * repeat
+    assert TurnCache.light(chat(user(content))) == (repeat == 20)
+    first: list[dict[str, str]] = [{"role": "user", "content": content}]
     second = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "run"}]
     headers = {"X-Agent-Branch": "b"}
 
@@ -269,6 +274,27 @@ def test_the_app_tokenizes_a_branch_once_and_forgets_it_when_it_ends(bpe: Tokeni
         assert _value(r, "evolving_turn_cache_bytes") == 0
 
     run_router(test, tokenizer=bpe)
+
+
+def test_light_turns_are_those_with_little_new_to_encode() -> None:
+    """`TurnCache.light`: what a turn brings anew (not what its branch's last turn left out,
+    `kept`) is small enough to encode on the event loop rather than in a worker thread."""
+    params = SamplingParams()
+    assert TurnCache.light(CompletionRequest("m", tuple(range(INLINE_IDS)), params))
+    assert not TurnCache.light(CompletionRequest("m", tuple(range(INLINE_IDS + 1)), params))
+    kept = CompletionRequest("m", (1, 2, 3), params, kept=100_000)
+    assert TurnCache.light(kept)  # 100k ids kept from the last turn, three new
+    assert TurnCache.light(CompletionRequest("m", "x" * INLINE_CHARS, params))
+    assert not TurnCache.light(CompletionRequest("m", "x" * (INLINE_CHARS + 1), params))
+    half = "y" * (INLINE_CHARS // 2)
+    assert TurnCache.light(chat(user(half), reply(half)))
+    assert not TurnCache.light(chat(user(half), reply(half), user("z")))
+    tools = "t" * INLINE_CHARS
+    assert not TurnCache.light(chat(user("hi"), tools=tools))  # the tools are rendered too
+    again = ChatRequest("m", (user("hi"),), params, tools=tools, kept=4)
+    assert TurnCache.light(again)  # its tools come with the kept messages
+    call = ChatMessage("assistant", None, tool_calls="c" * (INLINE_CHARS + 1))
+    assert not TurnCache.light(chat(call))
 
 
 def _messages(raw: Sequence[dict[str, str]]) -> list[ChatMessage]:

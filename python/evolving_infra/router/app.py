@@ -340,7 +340,10 @@ class FrontEnd:
                 code=api.UNKNOWN_MODEL,
                 param="model",
             )
-        encoded = await asyncio.to_thread(self._encode, req, info, last, kept)
+        if TurnCache.light(req):  # less work than a worker thread's hop (`turns.INLINE_CHARS`)
+            encoded = self._encode(req, info, last, kept)
+        else:
+            encoded = await asyncio.to_thread(self._encode, req, info, last, kept)
         ids, hashes = encoded.ids, encoded.hashes
         self.metrics.prompt_tokens_tokenized.inc(encoded.tokenized)
         self.metrics.prompt_tokens_reused.inc(encoded.reused)
