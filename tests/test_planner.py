@@ -146,7 +146,8 @@ def crossover_output(u: int, c: int) -> float:
     lo, hi = 1.0, 1e5
     for _ in range(100):
         o = (lo + hi) / 2
-        d = planner._demand(MODEL, MeanRequest(u, c, o, u + c + o / 2), mu_p)
+        mean = MeanRequest(u, c, o, u + c + o / 2)
+        d = dataclasses.replace(planner._demand(MODEL, mean), mu_p=mu_p)
         four, five = (split_rate(MODEL, d, x, 8 - x, kv, 256) for x in (4, 5))
         lo, hi = (o, hi) if four < five else (lo, o)
     return (lo + hi) / 2

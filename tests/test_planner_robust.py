@@ -246,6 +246,43 @@ def test_holding_decode_kv_through_the_prefill_queue_costs_throughput() -> None:
     assert late > early > slow > 0
 
 
+def test_prefill_times_that_vary_hold_the_decode_kv_longer() -> None:
+    """The prefill queue's wait is M/G/1's (`SliceDemand.service_scv`): prompts of unequal
+    prefill times wait longer than equal ones at the same load, and under early allocation that
+    wait holds decode KV, so the split sustains less; reserved after the prefill, it does not
+    (the wait then holds no decode KV)."""
+    kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
+    alike = split_rate(MODEL, demand(), 4, 4, kv, 256)
+    spread = split_rate(MODEL, dataclasses.replace(demand(), service_scv=3.0), 4, 4, kv, 256)
+    assert spread < alike
+    late = dataclasses.replace(demand(early=False), service_scv=3.0)
+    assert split_rate(MODEL, late, 4, 4, kv, 256) == split_rate(
+        MODEL, demand(early=False), 4, 4, kv, 256
+    )
+
+
+def mixed(k: int) -> SliceStats:
+    """A minute of Mooncake-like fresh prompts of very unequal sizes, each arrival sampled."""
+    sizes = [2_000, 4_000, 30_000, 1_000] * 16
+    s = sl(k, sum(sizes) // len(sizes), 0, 300, n=len(sizes))
+    return dataclasses.replace(s, arrivals=tuple((u, 0) for u in sizes))
+
+
+def test_the_planner_prices_the_spread_of_a_slices_prefill_times() -> None:
+    """`wait_spread` (1 by default) counts the slice's sampled prefill times' spread in the
+    queue wait of Θ; 0 is M/D/1's wait, as the planner priced it before: every candidate
+    sustains at most as much with the spread counted, and some less."""
+    window = [mixed(k) for k in range(10)]
+    counted = EvolvingPlanner(8).evaluate(600.0, Split(4, 4), window, MODEL)
+    alike = EvolvingPlanner(8, wait_spread=0.0).evaluate(600.0, Split(4, 4), window, MODEL)
+    assert counted is not None
+    assert alike is not None
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(counted.thetas, alike.thetas, strict=True))
+    assert any(a < 0.99 * b for a, b in zip(counted.thetas, alike.thetas, strict=True))
+    with pytest.raises(ValueError, match="wait_spread"):
+        EvolvingPlanner(8, wait_spread=1.5)
+
+
 def test_split_rate_keeps_the_decode_batch_within_its_cap() -> None:
     short = MeanRequest(uncached=200, cached=0, output=2_000, context=1_200)
     d = SliceDemand(mean=short, mu_p=100.0, prefill_s=0.05, transfer_s=0.0, early=True)

@@ -4,10 +4,11 @@ the gain is significant across the window's slices (DESIGN §3, "Phase split").
 For a candidate split xPyD (x + y = N) and a slice s of the window, the predicted cluster
 throughput Θ_s(x) is the request rate the split sustains (`throughput.split_rate`): the prefill
 nodes keep up, and the decode KV holds every request it reserved for as long as it holds it,
-under SGLang's early decode allocation through the prefill queue (an M/D/1 wait), the prefill
-and the transfer as well as the decode (without it, min(x·μ_P, y·μ_D) undercounted the decode
-KV's use by a half on long fresh prompts and overcounted it on Claude Code). Rates come from the
-fitted iteration-time model:
+under SGLang's early decode allocation through the prefill queue (an M/G/1 wait: the M/D/1
+wait times 1 + the squared coefficient of variation of the slice's sampled prefill times, times
+`wait_spread`, 1 by default), the prefill and the transfer as well as the decode (without it,
+min(x·μ_P, y·μ_D) undercounted the decode KV's use by a half on long fresh prompts and
+overcounted it on Claude Code). Rates come from the fitted iteration-time model:
 
 - μ_P: a prefill node's requests/s of the slice's sampled arrivals (`SliceStats.arrivals`,
   their own uncached and cached tokens, not their mean's), batched as chunked prefill does
@@ -204,6 +205,7 @@ class EvolvingPlanner(PlannerGate):
         recent: float | None = 0.5,
         shift_factor: float | None = None,
         headroom: float | None = 3.0,
+        wait_spread: float = 1.0,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
@@ -214,6 +216,8 @@ class EvolvingPlanner(PlannerGate):
             raise ValueError("recent must be in (0, 1) (None: the whole window only)")
         if headroom is not None and headroom < 1:
             raise ValueError("headroom must be >= 1 (None: rule 3 prices capacity only)")
+        if not 0 <= wait_spread <= 1:
+            raise ValueError("wait_spread must be in [0, 1] (1: M/G/1's wait, 0: M/D/1's)")
         self.nodes_total = nodes_total
         self.interval = float(interval)
         self.window_s = float(window_s)
@@ -232,6 +236,13 @@ class EvolvingPlanner(PlannerGate):
         self.recent = recent
         self.shift_factor = shift_factor
         self.headroom = headroom
+        # How much of the prefill times' spread the prefill queue's wait in Θ counts (1:
+        # M/G/1's wait; 0: M/D/1's, as before 2026-12-07). The wait holds decode KV under early
+        # allocation: with the spread counted, OSWorld at 500 held-out agents on the paper's
+        # deployment went from 12 and 8 switches an hour to 2 (1.055x and 1.054x the best
+        # static split), the H100s' Mooncake 120 s7 from 7P2D (0.973x) to 6P3D (0.997x)
+        # (docs/scenarios.md, issue 25, 2026-12-07, fifth session).
+        self.wait_spread = wait_spread
         self.last: Evaluation | None = None
         # The last move asked for: when, and +1 towards prefill or -1 towards decode (rule 5).
         self.moved: tuple[float, int] | None = None
@@ -265,8 +276,11 @@ class EvolvingPlanner(PlannerGate):
         theta = np.empty_like(mu_p)
         cur = split.prefill - 1
         demands = []
+        # The spread of each slice's prefill times (for the queue wait, M/G/1).
+        spreads = [self._spread(model, s) for s, _ in kept]
         for i, (_, m) in enumerate(kept):
-            demand = self._demand(model, m)  # the same for every candidate but its μ_P
+            # The same for every candidate but its μ_P.
+            demand = self._demand(model, m, self.wait_spread * spreads[i])
             at = [dataclasses.replace(demand, mu_p=float(mu_p[i, k])) for k in range(len(xs))]
             for k, x in enumerate(xs):
                 y = int(n - x)
@@ -275,7 +289,8 @@ class EvolvingPlanner(PlannerGate):
         served = theta.copy()  # what the slices' agents would send each (rule 3)
         if self.headroom is not None and self._idle([s for s, _ in kept], theta[:, cur]):
             for i, (s, _) in enumerate(kept):
-                self._close_loop(model, s, demands[i], served[i], cur)
+                at = [dataclasses.replace(d, service_scv=spreads[i]) for d in demands[i]]
+                self._close_loop(model, s, at, served[i], cur)
         mean_theta = theta.mean(axis=0)
         # Best mean Θ; among ties (within a relative 1e-9) the one closest to the current split.
         top = float(mean_theta.max())
@@ -313,8 +328,6 @@ class EvolvingPlanner(PlannerGate):
             return
         rate = s.requests / max(s.end - s.start, 1e-9)
         x, n = cur + 1, self.nodes_total
-        scv = _scv([prefill_seconds(model, u, c, self.chunk_tokens) for u, c in s.arrivals])
-        at = [dataclasses.replace(d, service_scv=scv) for d in at]
         now = answer(model, at[cur], rate, x, n - x, self.max_decode_batch)
         if now is None:
             return
@@ -346,9 +359,14 @@ class EvolvingPlanner(PlannerGate):
         ev = self.last
         return ev.record(asked) if ev is not None and ev.at == now else None
 
-    def _demand(self, model: IterationModel, m: MeanRequest, mu_p: float = 0.0) -> SliceDemand:
-        """What a slice's mean request asks of a split (`throughput.split_rate`), with `mu_p`
-        the candidate's prefill rate."""
+    def _spread(self, model: IterationModel, s: SliceStats) -> float:
+        """The squared coefficient of variation of the slice's sampled arrivals' prefill times
+        (0 without two of them)."""
+        return _scv([prefill_seconds(model, u, c, self.chunk_tokens) for u, c in s.arrivals])
+
+    def _demand(self, model: IterationModel, m: MeanRequest, scv: float = 0.0) -> SliceDemand:
+        """What a slice's mean request asks of a split (`throughput.split_rate`), its prefill
+        times' spread `scv` (the queue wait's); the candidate's μ_P is set by the caller."""
         d = model.deployment
         transfer = 0.0
         if d is not None:
@@ -356,11 +374,12 @@ class EvolvingPlanner(PlannerGate):
             transfer = moved / (DEFAULT_POOL_BANDWIDTH * d.tp)
         return SliceDemand(
             mean=m,
-            mu_p=mu_p,
+            mu_p=0.0,
             prefill_s=prefill_seconds(model, m.uncached, m.cached, self.chunk_tokens),
             transfer_s=transfer,
             early=self.early_allocation,
             tokens_per_step=d.mtp_accepted if d is not None else 1.0,
+            service_scv=scv,
         )
 
     def _prefill_rates(

@@ -23,6 +23,7 @@ TUNABLES: dict[str, type] = {
     "recent": float,
     "shift_factor": float,
     "headroom": float,
+    "wait_spread": float,
 }
 
 # Those whose default is None (off, or the whole gap): `none` sets them back to it.

@@ -13,9 +13,12 @@ few to prefill, whose queues held the decode KV the planner counted as free.
 `split_rate` is the largest arrival rate X (requests/s) the split (x prefill, y decode nodes)
 sustains, found by bisection, such that
 
-- the prefill nodes keep up: u = X / (x·μ_P) < 1, and a request waits W = S·u / (2(1 - u)) in
-  a prefill queue (M/D/1's mean wait with the node's time per request S = 1/μ_P; the router
-  spreads requests over the x nodes, so this is the wait of one node at the mean load);
+- the prefill nodes keep up: u = X / (x·μ_P) < 1, and a request waits
+  W = (1 + c²)·S·u / (2(1 - u)) in a prefill queue (M/G/1's mean wait by Pollaczek-Khinchine,
+  with the node's time per request S = 1/μ_P and c² the squared coefficient of variation of
+  the slice's prefill times, `SliceDemand.service_scv`: an agent's cold first prompt or a long
+  fresh one holds up the turns behind it; the router spreads requests over the x nodes, so this
+  is the wait of one node at the mean load);
 - the decode KV holds everyone it reserved (Little's law): X·R·(W + L_P + L_X + T) <= y·K, with
   R the request's reserved tokens (prompt and output), L_P its prefill latency, L_X its
   transfer, T its decode time and K a node's KV tokens; without early allocation the KV is held
@@ -50,8 +53,15 @@ class SliceDemand:
     early: bool  # decode KV reserved at dispatch (held through the prefill queue)
     tokens_per_step: float = 1.0  # tokens a request gains per decode iteration (MTP)
     # The squared coefficient of variation of the requests' prefill times (0: all alike), for
-    # the queue wait of `response_s` (Pollaczek-Khinchine: M/D/1's wait times 1 + scv).
+    # the queue wait (Pollaczek-Khinchine: M/D/1's wait times 1 + scv, `_queue_wait`).
     service_scv: float = 0.0
+
+
+def _queue_wait(d: SliceDemand, rho: float) -> float:
+    """The mean wait in a prefill queue at utilization `rho` (< 1): M/G/1 by
+    Pollaczek-Khinchine, M/D/1's S·u / (2(1 - u)) times 1 + the prefill times' squared
+    coefficient of variation."""
+    return (1.0 + d.service_scv) * rho / (2.0 * (1.0 - rho)) / d.mu_p
 
 
 def _decode_time(
@@ -86,7 +96,7 @@ def _feasible(
         return False
     hold = d.transfer_s + decode_s
     if d.early:
-        hold += d.prefill_s + rho / (2.0 * (1.0 - rho)) / d.mu_p
+        hold += d.prefill_s + _queue_wait(d, rho)
     reserve = d.mean.uncached + d.mean.cached + d.mean.output
     return rate * reserve * hold <= y * kv_tokens
 
@@ -126,15 +136,14 @@ def answer(
     model: IterationModel, d: SliceDemand, rate: float, x: int, y: int, max_batch: int
 ) -> Answer | None:
     """The mean request's time in the split at `rate` requests/s (`Answer`): its wait in a
-    prefill queue (M/G/1 by Pollaczek-Khinchine: `_feasible`'s M/D/1 wait times 1 + the
-    prefill times' squared coefficient of variation, since an agent's cold first prompt takes
-    ten times a warm turn's prefill and the turns behind it wait for it), its prefill, its
+    prefill queue (`_queue_wait`: an agent's cold first prompt takes ten times a warm turn's
+    prefill and the turns behind it wait for it), its prefill, its
     transfer and its decode at the batch the rate makes; None where the prefill nodes do not
     keep up."""
     rho = rate / (x * d.mu_p)
     if rho >= 1.0:
         return None
-    wait = (1.0 + d.service_scv) * rho / (2.0 * (1.0 - rho)) / d.mu_p
+    wait = _queue_wait(d, rho)
     decode = _decode_time(model, d, rate, y, max_batch)[0]
     return Answer(wait, d.prefill_s + d.transfer_s, decode)
 
