@@ -50,16 +50,16 @@ def sl(k: int, uncached: int, cached: int, output: float, n: int = 200) -> Slice
 
 def fading(k: int) -> SliceStats:
     """The start-up of a cold cluster: prompts are fresh at first, then their prefixes hit."""
-    fresh = max(16_000 - 3_500 * k, 1_000)
+    fresh = (16_000, 13_000, 10_000, 7_500, 5_500)[k]
     return sl(k, fresh, 16_000 - fresh, 300)
 
 
 def test_a_fading_burst_does_not_move_nodes() -> None:
-    """Four slices all better at more prefill nodes, by less each minute: the paired t-test
+    """Five slices all better at more prefill nodes, by less each minute: the paired t-test
     passes, but the gains' line says the gain is gone by the next decision."""
-    w = [fading(k) for k in range(4)]
+    w = [fading(k) for k in range(5)]
     p = EvolvingPlanner(8)
-    assert p.decide(240.0, Split(4, 4), w, MODEL) is None
+    assert p.decide(300.0, Split(4, 4), w, MODEL) is None
     ev = p.last
     assert ev is not None
     assert ev.target.prefill > 4
@@ -68,31 +68,35 @@ def test_a_fading_burst_does_not_move_nodes() -> None:
     assert ev.gain_now < p.min_gain
     # The same slices in the other order (a burst that builds up) are a reason to move.
     rising = [
-        dataclasses.replace(s, start=(3 - k) * 60.0, end=(4 - k) * 60.0) for k, s in enumerate(w)
+        dataclasses.replace(s, start=(4 - k) * 60.0, end=(5 - k) * 60.0) for k, s in enumerate(w)
     ]
-    assert EvolvingPlanner(8).decide(240.0, Split(4, 4), rising, MODEL) is not None
+    assert EvolvingPlanner(8).decide(300.0, Split(4, 4), rising, MODEL) is not None
 
 
 def test_a_steady_gain_moves_at_the_first_decision() -> None:
-    w = [sl(k, 16_000, 0, 30) for k in range(3)]
+    """The first decision waits for `min_slices` (5) slices with arrivals: three minutes of
+    agents entering are not enough to move nodes on; five of the same gain are."""
+    w = [sl(k, 16_000, 0, 30) for k in range(5)]
     p = EvolvingPlanner(8)
-    target = p.decide(180.0, Split(4, 4), w, MODEL)
+    assert p.decide(180.0, Split(4, 4), w[:3], MODEL) is None
+    assert p.last is None  # too few slices: nothing evaluated
+    target = p.decide(300.0, Split(4, 4), w, MODEL)
     assert target is not None
     assert target.prefill > 4
     assert p.last is not None
     assert p.last.gain_now == pytest.approx(p.last.mean_gain)
     # The decision's record: what it held, found best and asked for, and every candidate's Θ.
-    record = p.decision(180.0, target)
+    record = p.decision(300.0, target)
     assert record is not None
     assert record["split"] == "4P4D"
     assert record["asked"] == str(target)
     assert record["best"] == str(p.last.target)
     assert list(record["theta"]) == [f"{x}P{8 - x}D" for x in range(1, 8)]
     assert max(record["theta"].values()) == pytest.approx(p.last.mean_theta)
-    assert p.decision(240.0, None) is None  # nothing was evaluated at 240 s
+    assert p.decision(360.0, None) is None  # nothing was evaluated at 360 s
     p.switch_done()
-    assert p.decide(240.0, target, w, MODEL) is None  # at the best split: kept
-    kept = p.decision(240.0, None)
+    assert p.decide(360.0, target, w, MODEL) is None  # at the best split: kept
+    kept = p.decision(360.0, None)
     assert kept is not None
     assert kept["asked"] is None
     assert kept["split"] == kept["best"] == str(target)
@@ -107,14 +111,14 @@ def test_a_move_is_not_undone_on_the_slices_that_made_it() -> None:
     p = EvolvingPlanner(8)
     p.moved = (600.0, -1)  # it moved toward decode at 600 s
     before = [sl(k, 16_000, 0, 30) for k in range(8)]  # minutes 0-7: prefill-heavy
-    after = [sl(k, 16_000, 0, 30) for k in range(10, 12)]  # two minutes since the move
-    assert p.decide(720.0, Split(3, 5), [*before, *after], MODEL) is None  # 2 < min_slices
-    more = [*before, *after, sl(12, 16_000, 0, 30)]
-    assert p.decide(780.0, Split(3, 5), more, MODEL) is not None  # now 3 slices say so
+    after = [sl(k, 16_000, 0, 30) for k in range(10, 14)]  # four minutes since the move
+    assert p.decide(840.0, Split(3, 5), [*before, *after], MODEL) is None  # 4 < min_slices
+    more = [*before, *after, sl(14, 16_000, 0, 30)]
+    assert p.decide(900.0, Split(3, 5), more, MODEL) is not None  # now 5 slices say so
     # In the direction of the last move, the whole window counts.
     q = EvolvingPlanner(8)
     q.moved = (600.0, +1)
-    assert q.decide(720.0, Split(3, 5), [*before, *after], MODEL) is not None
+    assert q.decide(840.0, Split(3, 5), [*before, *after], MODEL) is not None
 
 
 # -- rule 7: a mix that shifted is read on the slices since the shift --------------------------

@@ -22,7 +22,14 @@ overcounted it on Claude Code). Rates come from the fitted iteration-time model:
 
 Rule, every `interval` (60 s) over a `window_s` (600 s) window cut into `slices` (10) slices:
 1. slices without arrivals are dropped (they say nothing about the mix); fewer than
-   `min_slices` left: keep the split;
+   `min_slices` (5) left: keep the split. So the first decision is made at minute 5, and a move
+   is undone (rule 5) or a shift read off the latest half (rule 7) on five slices at least. At
+   3, while agents were still entering (a grid cell's first quarter hour, `sim/heldout.py`), the
+   mix was their cold first prompts and the planner gave them prefill nodes it took back five
+   to eight minutes later: Claude Code at 100 and 220 held-out agents on the paper's deployment
+   moved 4P5D -> 7P2D -> 4P5D, 6 switches an hour, where at 5 it kept its split (0.989-1.000x
+   the best static split), and no tuning cell lost more than 0.3% (docs/scenarios.md, issue
+   25, 2026-12-07, fifth session);
 2. the candidate with the best mean Θ over the slices is the target (ties: the fewest nodes
    moved); if it is the current split, keep;
 3. per-slice relative gains g_s = Θ_s(target) / Θ_s(current) - 1 are tested with a one-sided
@@ -196,7 +203,7 @@ class EvolvingPlanner(PlannerGate):
         alpha: float = 0.05,
         min_gain: float = 0.04,
         max_step: int | None = None,
-        min_slices: int = 3,
+        min_slices: int = 5,
         chunk_tokens: int = CHUNK_TOKENS,
         kv_capacity_tokens: int | None = None,
         max_decode_batch: int = MAX_DECODE_BATCH,
