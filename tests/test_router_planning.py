@@ -123,13 +123,13 @@ def test_every_decision_is_logged_with_each_candidates_throughput() -> None:
     decision, with the split, the best candidate and Θ of every candidate."""
     _, lp = _still_planner()
     with structlog.testing.capture_logs() as logs:
-        for minute in range(1, 5):
+        for minute in range(1, 7):
             for _ in range(20):
                 lp.slices.arrival(4000, 3000, 1000, now=minute * 60.0 - 30)
                 lp.slices.tokens(200)
             lp.tick(minute * 60.0)
     decided = [e for e in logs if e["event"] == "planner_decision"]
-    assert len(decided) == 2  # at 180 s and 240 s: three slices with arrivals are needed
+    assert len(decided) == 2  # at 300 s and 360 s: five slices with arrivals are needed
     for e in decided:
         assert e["split"] == "2P1D"
         assert e["asked"] is None
