@@ -27,7 +27,7 @@ def test_writes_results_table_and_timelines(
 ) -> None:
     out = tmp_path / "out"
     args = parse(
-        *("--workload", "osworld", "--gpus", "12", "--agents", "3", "--duration", "240"),
+        *("--workload", "osworld", "--gpus", "12", "--agents", "3", "--duration", "360"),
         *("--policies", "evolving,dynamo,arrow,best-static", "--out", str(out), "--no-progress"),
         *("--jobs", "2"),
     )
