@@ -51,8 +51,9 @@ DEFAULT_BUDGET_MIB = 512
 # (`light`): new characters to tokenize (~0.1-0.3 ms with a Hugging Face BPE), new token ids to
 # page and hash (~0.05 ms). A worker thread's hop costs more than that work (~0.1 ms of handing
 # over and waking, and the event loop runs whatever else is ready meanwhile): ids kept from the
-# last turn, encoded inline, took the router's overhead per warm turn from 0.26 to 0.14 ms at 1k
-# tokens and from 0.79 to 0.50 ms at 100k (`benches/router_overhead.py --api completions`).
+# last turn, encoded inline, took the router's P50 overhead per warm turn from 0.27 to 0.12 ms at
+# 1k tokens and from 0.46-0.56 to 0.35-0.36 ms at 100k on the quiet 2-core VM
+# (`benches/router_overhead.py --api completions`, docs/live.md).
 INLINE_CHARS = 2048
 INLINE_IDS = 4096
 
