@@ -561,3 +561,24 @@ def test_missing_mooncake_says_which_part_is_missing(detail: str, library: str |
     fix = "apt-get install -y libibverbs1 libnuma1 libcurl4" if library else "evolving-infra[pool]"
     assert fix in str(e)
     assert "\n" not in str(e)
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every sub-command's parser under it, at any depth."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases share one parser
+                yield from _parsers(sub)
+
+
+def test_every_help_formats() -> None:
+    """Every command's --help prints: argparse %-formats each option's help, so a bare "25%" in
+    one (the scenario's --start-ramp had one) made `--help` an internal error."""
+    root, _ = cli.build_parser()
+    progs = []
+    for parser in _parsers(root):
+        assert parser.format_help().startswith("usage: ")
+        progs.append(parser.prog)
+    assert "evolving-infra scenario run" in progs
+    assert len(progs) > 20

@@ -96,12 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="heldout only: a fresh draw, these generator seeds instead of the protocol's 4,5"
         " (not the tuning seeds 0,1 nor the consumed draws 2,3 and 6,7; docs/scenarios.md)",
     )
-    run.add_argument(
+    run.add_argument(  # argparse %-formats help: `:.0%}%` writes "25%%", printed "25%"
         "--start-ramp",
         type=natural_seconds,
         metavar="SECONDS",
         help="heldout and tuning only: the cells' agents enter over this many seconds (default:"
-        f" {heldout.STEADY_RAMP:.0%} of the run, 900 of an hour: a stationary workload; 60: a"
+        f" {heldout.STEADY_RAMP:.0%}% of the run, 900 of an hour: a stationary workload; 60: a"
         " batch launched at once, whose sessions' contexts grow in step)",
     )
     run.add_argument(
