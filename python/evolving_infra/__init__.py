@@ -6,6 +6,8 @@ private native module `evolving_infra._core`; this package re-exports its public
 
 from collections.abc import Sequence
 
+# First: pins OpenBLAS's kernels before anything loads numpy (reproducible simulations, blas.py).
+from evolving_infra import blas as _blas  # noqa: F401  (isort: skip)
 from evolving_infra._core import (
     BranchExistsError,
     DuplicateHashError,
