@@ -267,3 +267,22 @@ def test_decode_kv_full_of_running_requests_keeps_the_estimate() -> None:
     assert with_records is not None
     assert without is not None
     assert with_records.thetas == without.thetas
+
+
+def test_the_decode_exponent_sets_how_much_a_decode_node_keeps() -> None:
+    """`decode_exponent` (the reuse model's τ ∝ decode nodes^exponent): 0 prices every split
+    with the cache that ran (as without the reuse records), a larger one prices the splits with
+    more decode nodes higher and those with fewer lower; out of range is refused."""
+    lossy = [lossy_slice(k, lost=True) for k in range(5)]
+    blind = [dataclasses.replace(s, arrival_reuse=()) for s in lossy]
+    flat = EvolvingPlanner(9, decode_exponent=0.0).evaluate(300.0, Split(4, 5), lossy, MODEL)
+    plain = EvolvingPlanner(9).evaluate(300.0, Split(4, 5), blind, MODEL)
+    low = EvolvingPlanner(9, decode_exponent=0.5).evaluate(300.0, Split(4, 5), lossy, MODEL)
+    high = EvolvingPlanner(9, decode_exponent=2.0).evaluate(300.0, Split(4, 5), lossy, MODEL)
+    assert flat is not None and plain is not None and low is not None and high is not None
+    assert flat.thetas == pytest.approx(plain.thetas)
+    assert high.thetas[3] == pytest.approx(low.thetas[3])  # 4P5D: the cache it has
+    assert high.thetas[1] > low.thetas[1]  # 2P7D: a larger cache still
+    assert high.thetas[5] < low.thetas[5]  # 6P3D: a smaller one
+    with pytest.raises(ValueError, match="decode_exponent"):
+        EvolvingPlanner(9, decode_exponent=-1.0)

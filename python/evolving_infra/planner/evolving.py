@@ -120,7 +120,7 @@ from evolving_infra.planner.common import (
     rebin,
 )
 from evolving_infra.planner.hits import SplitMemory
-from evolving_infra.planner.reuse import SliceReuse
+from evolving_infra.planner.reuse import DECODE_EXPONENT, SliceReuse
 from evolving_infra.planner.throughput import (
     Answer,
     Loop,
@@ -213,6 +213,7 @@ class EvolvingPlanner(PlannerGate):
         shift_factor: float | None = None,
         headroom: float | None = 3.0,
         wait_spread: float = 1.0,
+        decode_exponent: float = DECODE_EXPONENT,
     ) -> None:
         super().__init__()
         if nodes_total < 2 or slices < 2 or not 0 < alpha < 1 or min_slices < 2:
@@ -225,6 +226,8 @@ class EvolvingPlanner(PlannerGate):
             raise ValueError("headroom must be >= 1 (None: rule 3 prices capacity only)")
         if not 0 <= wait_spread <= 1:
             raise ValueError("wait_spread must be in [0, 1] (1: M/G/1's wait, 0: M/D/1's)")
+        if not 0 <= decode_exponent <= 4:
+            raise ValueError("decode_exponent must be in [0, 4] (0: no split keeps more)")
         self.nodes_total = nodes_total
         self.interval = float(interval)
         self.window_s = float(window_s)
@@ -250,6 +253,9 @@ class EvolvingPlanner(PlannerGate):
         # static split), the H100s' Mooncake 120 s7 from 7P2D (0.973x) to 6P3D (0.997x)
         # (docs/scenarios.md, issue 25, 2026-12-07, fifth session).
         self.wait_spread = wait_spread
+        # How a candidate's decode nodes scale the cache's retention time in the reuse model
+        # (`reuse.SliceReuse.on`: τ times the decode nodes' ratio to this power).
+        self.decode_exponent = decode_exponent
         self.last: Evaluation | None = None
         # The last move asked for: when, and +1 towards prefill or -1 towards decode (rule 5).
         self.moved: tuple[float, int] | None = None
@@ -404,7 +410,7 @@ class EvolvingPlanner(PlannerGate):
         out = []
         for (s, m), r in zip(kept, reuse, strict=True):
             if s.arrivals:
-                arrivals = s.arrivals if r is None else r.on(decode_nodes)
+                arrivals = s.arrivals if r is None else r.on(decode_nodes, self.decode_exponent)
                 lost = [_lose(u, c, loss) for u, c in arrivals]
                 out.append(packed_prefill_rate(model, lost, self.chunk_tokens))
                 continue

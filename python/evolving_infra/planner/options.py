@@ -24,6 +24,7 @@ TUNABLES: dict[str, type] = {
     "shift_factor": float,
     "headroom": float,
     "wait_spread": float,
+    "decode_exponent": float,
 }
 
 # Those whose default is None (off, or the whole gap): `none` sets them back to it.

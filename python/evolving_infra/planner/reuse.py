@@ -160,10 +160,10 @@ class SliceReuse:
         """The kept share of the reusable tokens at `scale` times the slice's τ."""
         return _kept(self._gaps, self._tokens, self.tau * scale)
 
-    def on(self, decode_nodes: float) -> list[tuple[int, int]]:
+    def on(self, decode_nodes: float, exponent: float = DECODE_EXPONENT) -> list[tuple[int, int]]:
         """The arrivals' (uncached, cached) on a split with `decode_nodes` decode nodes: τ
-        scaled by their ratio to the slice's, to the power `DECODE_EXPONENT`."""
-        return self.at((decode_nodes / self.decode_nodes) ** DECODE_EXPONENT)
+        scaled by their ratio to the slice's, to the power `exponent`."""
+        return self.at((decode_nodes / self.decode_nodes) ** exponent)
 
     def at(self, scale: float) -> list[tuple[int, int]]:
         """The arrivals' (uncached, cached) at `scale` times the slice's τ: fewer cached tokens
