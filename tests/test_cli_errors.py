@@ -388,7 +388,7 @@ def _write(path: Path, text: str) -> Path:
           "{tmp}/logs"], "--planner-option: need nodes_total >= 2, slices >= 2"),
         (["scenario", "check", "{tmp}/empty"], "{tmp}/empty/results.json does not exist"),
         (["scenario", "run", "heldout", "--held-out-seeds", "1,6", "--out", "{tmp}/out"],
-         "seed 1 is tuning data (tuning seeds (0, 1), consumed draws (2, 3, 6, 7))"),
+         "seed 1 is tuning data (tuning seeds (0, 1), consumed draws (2, 3, 6, 7, 8, 9))"),
         (["scenario", "run", "heldout", "--held-out-seeds", "8,x", "--out", "{tmp}/out"],
          "--held-out-seeds takes seeds separated by commas, got '8,x'"),
         (["scenario", "run", "heldout", "--held-out-seeds", "8,8", "--out", "{tmp}/out"],

@@ -296,3 +296,22 @@ def test_split_rate_keeps_the_decode_batch_within_its_cap() -> None:
     assert capped < roomy
     step = MODEL.predict_decode(16, 16 * 1_200)
     assert capped <= 4 * 16 / (2_000 * step) * 1.01  # 4 nodes x 16 requests, 2,000 tokens each
+
+
+def test_candidates_within_tie_of_the_best_are_one_the_closest_is_the_target() -> None:
+    """Rule 2: 4P4D and 5P3D sustain this mix within 1% of each other, both twice 1P7D's.
+    The best mean Θ alone (`tie=0`) moves four nodes to 5P3D; with the default `tie` (4%: a
+    difference the planner would not move for) the target is 4P4D, the closer of the two."""
+    window = [sl(k, 20_000, 0, 800) for k in range(10)]
+    exact = EvolvingPlanner(8, tie=0.0).evaluate(600.0, Split(1, 7), window, MODEL)
+    tied = EvolvingPlanner(8).evaluate(600.0, Split(1, 7), window, MODEL)
+    assert exact is not None
+    assert tied is not None
+    assert exact.thetas == tied.thetas
+    assert exact.target == Split(5, 3)
+    assert tied.target == Split(4, 4)
+    assert tied.thetas[3] >= 0.96 * max(tied.thetas)
+    # Either way the move is made: the target still gains enough over 1P7D.
+    assert EvolvingPlanner(8).decide(600.0, Split(1, 7), window, MODEL) == Split(4, 4)
+    with pytest.raises(ValueError, match="tie"):
+        EvolvingPlanner(8, tie=1.0)

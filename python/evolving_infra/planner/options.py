@@ -25,6 +25,7 @@ TUNABLES: dict[str, type] = {
     "headroom": float,
     "wait_spread": float,
     "decode_exponent": float,
+    "tie": float,
 }
 
 # Those whose default is None (off, or the whole gap): `none` sets them back to it.

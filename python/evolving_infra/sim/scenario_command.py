@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--held-out-seeds",
         metavar="K,L",
         help="heldout only: a fresh draw, these generator seeds instead of the protocol's 4,5"
-        " (not the tuning seeds 0,1 nor the consumed draws 2,3 and 6,7; docs/scenarios.md)",
+        " (not the tuning seeds 0,1 nor the consumed draws 2,3, 6,7 and 8,9; docs/scenarios.md)",
     )
     run.add_argument(  # argparse %-formats help: `:.0%}%` writes "25%%", printed "25%"
         "--start-ramp",
