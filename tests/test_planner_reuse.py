@@ -279,7 +279,10 @@ def test_the_decode_exponent_sets_how_much_a_decode_node_keeps() -> None:
     plain = EvolvingPlanner(9).evaluate(300.0, Split(4, 5), blind, MODEL)
     low = EvolvingPlanner(9, decode_exponent=0.5).evaluate(300.0, Split(4, 5), lossy, MODEL)
     high = EvolvingPlanner(9, decode_exponent=2.0).evaluate(300.0, Split(4, 5), lossy, MODEL)
-    assert flat is not None and plain is not None and low is not None and high is not None
+    assert flat is not None
+    assert plain is not None
+    assert low is not None
+    assert high is not None
     assert flat.thetas == pytest.approx(plain.thetas)
     assert high.thetas[3] == pytest.approx(low.thetas[3])  # 4P5D: the cache it has
     assert high.thetas[1] > low.thetas[1]  # 2P7D: a larger cache still
