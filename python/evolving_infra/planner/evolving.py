@@ -263,7 +263,10 @@ class EvolvingPlanner(PlannerGate):
         # (docs/scenarios.md, issue 25, 2026-12-07, fifth session).
         self.wait_spread = wait_spread
         # How a candidate's decode nodes scale the cache's retention time in the reuse model
-        # (`reuse.SliceReuse.on`: τ times the decode nodes' ratio to this power).
+        # (`reuse.SliceReuse.on`: τ times the decode nodes' ratio to this power). Larger ones
+        # (1.5, 2.0) were screened for the H100s' Claude Code 150, whose cache differs between
+        # splits mostly by the time between turns, and not kept: they stand in for longer gaps
+        # at one load only (docs/scenarios.md, issue 25, 2026-12-07, sixth session).
         self.decode_exponent = decode_exponent
         self.tie = tie
         self.last: Evaluation | None = None
