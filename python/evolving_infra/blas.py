@@ -37,12 +37,15 @@ def pin() -> bool:
     docstring); whether it did."""
     if os.environ.get(ENV, "") == "native" or CORETYPE in os.environ:
         return False
-    if "numpy" in sys.modules or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    if not _cpu_flags() >= _NEEDS:
+    if "numpy" in sys.modules or not runs_kernels():
         return False
     os.environ[CORETYPE] = KERNELS
     return True
+
+
+def runs_kernels() -> bool:
+    """Whether this CPU runs the `KERNELS` family: x86-64 with AVX2 and FMA."""
+    return platform.machine() in ("x86_64", "AMD64") and _cpu_flags() >= _NEEDS
 
 
 def kernels() -> str | None:
