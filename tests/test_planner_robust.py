@@ -16,13 +16,15 @@ from evolving_infra.planner.common import (
     merge,
     packed_prefill_rate,
     prefill_rate,
+    prefill_seconds,
 )
 from evolving_infra.planner.evolving import mix_shifted, mix_signature
 from evolving_infra.planner.reuse import Reuse
 from evolving_infra.planner.slices import Slices
-from evolving_infra.planner.throughput import SliceDemand, split_rate
+from evolving_infra.planner.throughput import SliceDemand, _queue_wait, split_rate
 from evolving_infra.timing import DEFAULT_DEPLOYMENT
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.specs import PAPER_DEPLOYMENT
 
 MODEL = IterationModel(prior=DEFAULT_DEPLOYMENT)
 
@@ -263,6 +265,44 @@ def test_prefill_times_that_vary_hold_the_decode_kv_longer() -> None:
     assert split_rate(MODEL, late, 4, 4, kv, 256) == split_rate(
         MODEL, demand(early=False), 4, 4, kv, 256
     )
+
+
+def test_the_prefill_nodes_wait_as_one_queue_among_the_requests_the_decode_kv_holds() -> None:
+    """The wait of `x` prefill nodes the router balances is one queue's of x servers: at the
+    same utilization, 1/x of one node's; among an open stream of requests it is
+    Pollaczek-Khinchine's M/G/1 wait; behind the decode-KV gate it is bounded by the requests
+    the decode KV holds, however near the nodes run to their capacity."""
+    d = dataclasses.replace(demand(), mu_p=2.0, service_scv=1.5)
+    one = _queue_wait(d, 0.8)
+    assert one == pytest.approx((1 + 1.5) / 2 * 0.8 / (1 - 0.8) / 2.0)  # P-K, S = 0.5 s
+    assert _queue_wait(d, 0.8, 8) == pytest.approx(one / 8)
+    held = 40.0
+    near = _queue_wait(d, 0.9999, 8, held)
+    assert near < held * 0.5 / 8 * 2  # at most ~the held requests' prefill times, once each
+    assert near < _queue_wait(d, 0.9999, 8) / 50  # the open queue's grows without bound
+    assert _queue_wait(d, 0.8, 8, held) < _queue_wait(d, 0.8, 8)
+
+
+def test_a_split_whose_prefill_binds_serves_in_proportion_to_its_prefill_nodes() -> None:
+    """Mooncake-like fresh prompts on the paper's deployment: one decode node's KV holds ~240
+    of them, so 8P1D serves 8/7 of 7P2D (the simulator's static runs at 300 agents: 1.12x).
+    Priced with one node's open queue, the single decode node's KV filled with requests
+    waiting for a prefill and 8P1D came out level with 7P2D (1.04x here)."""
+    model = IterationModel(prior=PAPER_DEPLOYMENT)
+    kv = kv_capacity_tokens(PAPER_DEPLOYMENT)
+    m = MeanRequest(uncached=12_500, cached=0, output=300, context=12_650)
+    d = SliceDemand(
+        mean=m,
+        mu_p=prefill_rate(model, 12_500, 0, 8192),
+        prefill_s=prefill_seconds(model, 12_500, 0, 8192),
+        transfer_s=0.05,
+        early=True,
+        tokens_per_step=2.5,
+        service_scv=1.4,
+    )
+    seven, eight = (split_rate(model, d, x, 9 - x, kv, 256) for x in (7, 8))
+    assert eight / seven > 1.1
+    assert eight < 8 * d.mu_p
 
 
 def mixed(k: int) -> SliceStats:

@@ -4,9 +4,10 @@ the gain is significant across the window's slices (DESIGN §3, "Phase split").
 For a candidate split xPyD (x + y = N) and a slice s of the window, the predicted cluster
 throughput Θ_s(x) is the request rate the split sustains (`throughput.split_rate`): the prefill
 nodes keep up, and the decode KV holds every request it reserved for as long as it holds it,
-under SGLang's early decode allocation through the prefill queue (an M/G/1 wait: the M/D/1
-wait times 1 + the squared coefficient of variation of the slice's sampled prefill times, times
-`wait_spread`, 1 by default), the prefill and the transfer as well as the decode (without it,
+under SGLang's early decode allocation through the prefill queue (the prefill nodes' wait as
+one queue among the requests the decode KV holds, `throughput._queue_wait`, with the squared
+coefficient of variation of the slice's sampled prefill times times `wait_spread`, 1 by
+default), the prefill and the transfer as well as the decode (without it,
 min(x·μ_P, y·μ_D) undercounted the decode KV's use by a half on long fresh prompts and
 overcounted it on Claude Code). Rates come from the fitted iteration-time model:
 
@@ -255,12 +256,12 @@ class EvolvingPlanner(PlannerGate):
         self.recent = recent
         self.shift_factor = shift_factor
         self.headroom = headroom
-        # How much of the prefill times' spread the prefill queue's wait in Θ counts (1:
-        # M/G/1's wait; 0: M/D/1's, as before 2026-12-07). The wait holds decode KV under early
-        # allocation: with the spread counted, OSWorld at 500 held-out agents on the paper's
-        # deployment went from 12 and 8 switches an hour to 2 (1.055x and 1.054x the best
-        # static split), the H100s' Mooncake 120 s7 from 7P2D (0.973x) to 6P3D (0.997x)
-        # (docs/scenarios.md, issue 25, 2026-12-07, fifth session).
+        # How much of the prefill times' spread the prefill queue's wait in Θ counts (1: all
+        # of it, M/G/1's; 0: none, M/D/1's, as before 2026-12-07). The wait holds decode KV
+        # under early allocation: with the spread counted, OSWorld at 500 held-out agents on
+        # the paper's deployment went from 12 and 8 switches an hour to 2 (1.055x and 1.054x
+        # the best static split), the H100s' Mooncake 120 s7 from 7P2D (0.973x) to 6P3D
+        # (0.997x) (docs/scenarios.md, issue 25, 2026-12-07, fifth session; one node's queue).
         self.wait_spread = wait_spread
         # How a candidate's decode nodes scale the cache's retention time in the reuse model
         # (`reuse.SliceReuse.on`: τ times the decode nodes' ratio to this power). Larger ones

@@ -13,18 +13,38 @@ few to prefill, whose queues held the decode KV the planner counted as free.
 `split_rate` is the largest arrival rate X (requests/s) the split (x prefill, y decode nodes)
 sustains, found by bisection, such that
 
-- the prefill nodes keep up: u = X / (x·μ_P) < 1, and a request waits
-  W = (1 + c²)·S·u / (2(1 - u)) in a prefill queue (M/G/1's mean wait by Pollaczek-Khinchine,
-  with the node's time per request S = 1/μ_P and c² the squared coefficient of variation of
-  the slice's prefill times, `SliceDemand.service_scv`: an agent's cold first prompt or a long
-  fresh one holds up the turns behind it; the router spreads requests over the x nodes, so this
-  is the wait of one node at the mean load);
-- the decode KV holds everyone it reserved (Little's law): X·R·(W + L_P + L_X + T) <= y·K, with
-  R the request's reserved tokens (prompt and output), L_P its prefill latency, L_X its
-  transfer, T its decode time and K a node's KV tokens; without early allocation the KV is held
-  for the decode alone (L_X + T);
+- the prefill nodes keep up: u = X·S / x < 1, with S = 1/μ_P a node's time per request;
+- the decode KV holds everyone it reserved (Little's law): X·(W + L_P + L_X + T) <= n, with
+  n = y·K / R the requests the decode KV holds at once (R a request's reserved tokens, prompt
+  and output, K a node's KV tokens), W its wait in a prefill queue, L_P its prefill latency,
+  L_X its transfer and T its decode time; without early allocation the KV is held for the
+  decode alone: X·(L_X + T) <= n;
 - the decode batch that X makes, B = X·T / y (T = output x step(B) / tokens per step, a fixed
   point), stays within `max_batch`.
+
+The wait W (`_queue_wait`) is that of a closed network's queue, not an open one's. Behind the
+router's decode-KV gate (`router.admission`, the simulator's `PolicySpec.admission`) a request
+reserves its decode KV before it is sent to a prefill node, and one that finds no room waits at
+the router holding nothing: the prefill queues hold at most the n requests the decode KV
+admitted, so the wait cannot grow without bound as u nears 1, as an open M/G/1 queue's does.
+And the router sends each request to the prefill node that answers it first, so the x nodes
+work as one queue of x servers, not x queues a request is dealt into at random. W is the mean
+value analysis's (Schweitzer's approximation) of a queue of service S/x and x servers'
+latency (Seidmann's), among n customers:
+
+    W = (S/x)·u·((c² - 1)/2 + (n - 1)/n) / (1 - u·(n - 1)/n)
+
+with c² the squared coefficient of variation of the slice's prefill times
+(`SliceDemand.service_scv`: an agent's cold first prompt or a long fresh one holds up the
+turns behind it). For large n it is Pollaczek-Khinchine's M/G/1 wait of that one queue. The
+planner priced the wait as one node's open M/G/1 queue at the mean load until 2026-12-08: x
+times as long, and without bound near u = 1. On Mooncake's long fresh prompts at 300 agents on
+the paper's deployment, whose static splits serve in proportion to their prefill nodes (one
+decode node keeps up: 8P1D 1.12x 7P2D), it priced 8P1D level with 7P2D, its one decode node's
+KV full of requests waiting for a prefill, and the planner reached 8P1D half an hour late
+(0.95x the best static split); the Little's-law count of requests holding decode KV it implied
+(80-160 on the H100s' Claude Code at 150 agents) was three to five times the simulator's
+(docs/scenarios.md, issue 25, 2026-12-08).
 
 It is monotone in X (a larger X waits longer, decodes in larger, slower batches), so bisection
 finds it; the old Θ is its limit with no holding and no queue.
@@ -57,11 +77,12 @@ class SliceDemand:
     service_scv: float = 0.0
 
 
-def _queue_wait(d: SliceDemand, rho: float) -> float:
-    """The mean wait in a prefill queue at utilization `rho` (< 1): M/G/1 by
-    Pollaczek-Khinchine, M/D/1's S·u / (2(1 - u)) times 1 + the prefill times' squared
-    coefficient of variation."""
-    return (1.0 + d.service_scv) * rho / (2.0 * (1.0 - rho)) / d.mu_p
+def _queue_wait(d: SliceDemand, rho: float, x: int = 1, held: float = math.inf) -> float:
+    """The mean wait in the prefill queue of `x` nodes at utilization `rho` (< 1) among `held`
+    requests (those the decode KV holds; inf: an open queue), module docstring."""
+    f = 1.0 if math.isinf(held) else max(held - 1.0, 0.0) / max(held, 1.0)
+    wait = rho * ((d.service_scv - 1.0) / 2.0 + f) / (1.0 - rho * f) / (x * d.mu_p)
+    return max(wait, 0.0)
 
 
 def _decode_time(
@@ -94,11 +115,11 @@ def _feasible(
     decode_s, batch = _decode_time(model, d, rate, y, max_batch)
     if batch > max_batch:
         return False
+    held = y * kv_tokens / (d.mean.uncached + d.mean.cached + d.mean.output)
     hold = d.transfer_s + decode_s
     if d.early:
-        hold += d.prefill_s + _queue_wait(d, rho)
-    reserve = d.mean.uncached + d.mean.cached + d.mean.output
-    return rate * reserve * hold <= y * kv_tokens
+        hold += d.prefill_s + _queue_wait(d, rho, x, held)
+    return rate * hold <= held
 
 
 def split_rate(
@@ -139,7 +160,12 @@ def answer(
     prefill queue (`_queue_wait`: an agent's cold first prompt takes ten times a warm turn's
     prefill and the turns behind it wait for it), its prefill, its
     transfer and its decode at the batch the rate makes; None where the prefill nodes do not
-    keep up."""
+    keep up.
+
+    The wait here is still one node's open queue (the capacity's became the nodes' one closed
+    queue on 2026-12-08): it prices the answers of slices far below capacity (rule 3's
+    `headroom`), and that change was screened for the capacity alone. NOTE: one model of the
+    wait for both is the cleaner form; it needs its own screen on the grids' idle cells."""
     rho = rate / (x * d.mu_p)
     if rho >= 1.0:
         return None

@@ -21,7 +21,9 @@ as well. Seeds 6-7 were the first fresh draw (2026-12-07); the prefill queue's M
 the first decision at five slices were judged on them as well as on the tuning grid (the fifth
 session of 2026-12-07), so they are consumed too, and that change is reported on seeds 8-9.
 Rule 2's tie (the nearest of the candidates within 4% of the best) was judged on seeds 8-9
-(the sixth session): consumed as well, that change is reported on seeds 10-11.
+(the sixth session): consumed as well, that change is reported on seeds 10-11. The prefill
+queue's wait as one queue of the prefill nodes among the requests the decode KV holds was
+found and judged on seeds 10-11 (2026-12-08): consumed, it is reported on seeds 12-13.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from evolving_infra.workloads.model import Trace
 
 HELD_OUT_SEEDS = (4, 5)
 TUNE_SEEDS = (0, 1)
-CONSUMED_SEEDS = (2, 3, 6, 7, 8, 9)  # held-out draws a change was made after: tuning data
+CONSUMED_SEEDS = (2, 3, 6, 7, 8, 9, 10, 11)  # held-out draws a change was made after: tuning data
 BEST_STATIC_FLOOR = 0.98  # evolving / best static, every cell
 SWITCHES_PER_HOUR = 4.0  # at most, on a stationary workload
 # The grids' agents enter over the first quarter of the run (`SlotPlan.ramp`: 15 minutes of an
