@@ -305,6 +305,37 @@ def test_a_split_whose_prefill_binds_serves_in_proportion_to_its_prefill_nodes()
     assert eight < 8 * d.mu_p
 
 
+def test_the_decode_kv_is_held_by_tokens_so_large_prompts_weigh_more() -> None:
+    """Little's law on the decode KV's tokens: a request holds its reserved tokens through its
+    own prefill and transfer, which grow with it, so they count weighted by those tokens
+    (`SliceDemand.kv_prefill_s`). Longer than the mean request's, the split sustains less
+    where the decode KV binds; reserved after the prefill, it changes nothing."""
+    kv = kv_capacity_tokens(DEFAULT_DEPLOYMENT)
+    d = demand()
+    mean = dataclasses.replace(d, kv_prefill_s=d.prefill_s + d.transfer_s)
+    assert split_rate(MODEL, mean, 4, 2, kv, 256) == pytest.approx(
+        split_rate(MODEL, d, 4, 2, kv, 256)
+    )
+    heavy = dataclasses.replace(d, kv_prefill_s=3 * (d.prefill_s + d.transfer_s))
+    assert split_rate(MODEL, heavy, 4, 2, kv, 256) < 0.98 * split_rate(MODEL, d, 4, 2, kv, 256)
+    late, late_heavy = (dataclasses.replace(x, early=False) for x in (d, heavy))
+    assert split_rate(MODEL, late_heavy, 4, 2, kv, 256) == split_rate(MODEL, late, 4, 2, kv, 256)
+
+
+def test_the_planner_weighs_each_sampled_prompt_by_the_tokens_it_reserves() -> None:
+    """Mooncake-like fresh prompts, mostly short and a few long: the token-weighted prefill
+    is the long prompts', well above the mean request's; prompts all alike weigh the same."""
+    planner = EvolvingPlanner(8)
+    sizes = [2_000, 4_000, 30_000, 1_000] * 16
+    m = MeanRequest(uncached=9_250, cached=0, output=300, context=9_400)
+    unequal = planner._demand(MODEL, m, 0.0, [(u, 0) for u in sizes])
+    assert unequal.kv_prefill_s is not None
+    assert unequal.kv_prefill_s > 1.5 * (unequal.prefill_s + unequal.transfer_s)
+    alike = planner._demand(MODEL, m, 0.0, [(9_250, 0)] * 64)
+    assert alike.kv_prefill_s == pytest.approx(alike.prefill_s + alike.transfer_s)
+    assert planner._demand(MODEL, m).kv_prefill_s is None
+
+
 def mixed(k: int) -> SliceStats:
     """A minute of Mooncake-like fresh prompts of very unequal sizes, each arrival sampled."""
     sizes = [2_000, 4_000, 30_000, 1_000] * 16

@@ -305,9 +305,9 @@ class EvolvingPlanner(PlannerGate):
         demands = []
         # The spread of each slice's prefill times (for the queue wait, M/G/1).
         spreads = [self._spread(model, s) for s, _ in kept]
-        for i, (_, m) in enumerate(kept):
+        for i, (s, m) in enumerate(kept):
             # The same for every candidate but its μ_P.
-            demand = self._demand(model, m, self.wait_spread * spreads[i])
+            demand = self._demand(model, m, self.wait_spread * spreads[i], s.arrivals)
             at = [dataclasses.replace(demand, mu_p=float(mu_p[i, k])) for k in range(len(xs))]
             for k, x in enumerate(xs):
                 y = int(n - x)
@@ -392,22 +392,35 @@ class EvolvingPlanner(PlannerGate):
         (0 without two of them)."""
         return _scv([prefill_seconds(model, u, c, self.chunk_tokens) for u, c in s.arrivals])
 
-    def _demand(self, model: IterationModel, m: MeanRequest, scv: float = 0.0) -> SliceDemand:
+    def _demand(
+        self,
+        model: IterationModel,
+        m: MeanRequest,
+        scv: float = 0.0,
+        arrivals: Sequence[tuple[int, int]] = (),
+    ) -> SliceDemand:
         """What a slice's mean request asks of a split (`throughput.split_rate`), its prefill
-        times' spread `scv` (the queue wait's); the candidate's μ_P is set by the caller."""
+        times' spread `scv` (the queue wait's) and its sampled `arrivals` ((uncached, cached)
+        each: their own prefill and transfer weighted by the tokens each reserves,
+        `SliceDemand.kv_prefill_s`); the candidate's μ_P is set by the caller."""
         d = model.deployment
-        transfer = 0.0
-        if d is not None:
-            moved = (m.uncached + m.cached) * d.kv_bytes_per_token
-            transfer = moved / (DEFAULT_POOL_BANDWIDTH * d.tp)
+        kv_prefill = None
+        if arrivals:
+            reserved = [u + c + m.output for u, c in arrivals]
+            own = [
+                prefill_seconds(model, u, c, self.chunk_tokens) + _transfer_s(model, u + c)
+                for u, c in arrivals
+            ]
+            kv_prefill = sum(r * t for r, t in zip(reserved, own, strict=True)) / sum(reserved)
         return SliceDemand(
             mean=m,
             mu_p=0.0,
             prefill_s=prefill_seconds(model, m.uncached, m.cached, self.chunk_tokens),
-            transfer_s=transfer,
+            transfer_s=_transfer_s(model, m.uncached + m.cached),
             early=self.early_allocation,
             tokens_per_step=d.mtp_accepted if d is not None else 1.0,
             service_scv=scv,
+            kv_prefill_s=kv_prefill,
         )
 
     def _prefill_rates(
@@ -557,6 +570,15 @@ def _loop(s: SliceStats, rate: float, model: Answer) -> Loop:
         return Loop(rate * (s.think_s + modelled), s.think_s)
     scale = min(max(s.response_s / modelled, ANSWER_SCALE[0]), ANSWER_SCALE[1])
     return Loop(rate * (s.think_s + s.response_s), s.think_s, scale)
+
+
+def _transfer_s(model: IterationModel, tokens: float) -> float:
+    """Seconds a prompt's KV of `tokens` takes to move to its decode node (0 without a
+    deployment to size it)."""
+    d = model.deployment
+    if d is None:
+        return 0.0
+    return tokens * d.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * d.tp)
 
 
 def _scv(values: Sequence[float]) -> float:

@@ -46,6 +46,18 @@ KV full of requests waiting for a prefill, and the planner reached 8P1D half an 
 (80-160 on the H100s' Claude Code at 150 agents) was three to five times the simulator's
 (docs/scenarios.md, issue 25, 2026-12-08).
 
+Little's law counts the decode KV's tokens, not its requests: a request holds its R_i reserved
+tokens for its own time, so the tokens held are X·E[R_i·hold_i], more than X·E[R]·E[hold] where
+the larger requests hold longer. The wait and the decode are about the same for every request
+(a queue served in turn, a batch decoding together); its own prefill and transfer grow with
+its prompt. So the hold counts them weighted by the tokens each request reserves, over the
+slice's sampled arrivals (`SliceDemand.kv_prefill_s`): Σ R_i·(L_P,i + L_X,i) / Σ R_i. On
+Mooncake's fresh prompts (mean 13k tokens, the token-weighted mean 34k) at 120 agents on the
+H100s, 7P2D's two decode nodes held 48 requests at a time with requests waiting for room, where
+the mean request counted 60: priced by it, 7P2D came out 4-6% above 6P3D and the planner moved
+there (0.963x the best static split, 6P3D, on seed 11); counted by the tokens, level
+(docs/scenarios.md, issue 25, 2026-12-08).
+
 It is monotone in X (a larger X waits longer, decodes in larger, slower batches), so bisection
 finds it; the old Θ is its limit with no holding and no queue.
 """
@@ -75,6 +87,10 @@ class SliceDemand:
     # The squared coefficient of variation of the requests' prefill times (0: all alike), for
     # the queue wait (Pollaczek-Khinchine: M/D/1's wait times 1 + scv, `_queue_wait`).
     service_scv: float = 0.0
+    # The requests' own prefill and transfer seconds, each weighted by the tokens it reserves:
+    # the part of the decode KV's hold that grows with the request (module docstring); None:
+    # the mean request's, `prefill_s + transfer_s`.
+    kv_prefill_s: float | None = None
 
 
 def _queue_wait(d: SliceDemand, rho: float, x: int = 1, held: float = math.inf) -> float:
@@ -116,10 +132,10 @@ def _feasible(
     if batch > max_batch:
         return False
     held = y * kv_tokens / (d.mean.uncached + d.mean.cached + d.mean.output)
-    hold = d.transfer_s + decode_s
-    if d.early:
-        hold += d.prefill_s + _queue_wait(d, rho, x, held)
-    return rate * hold <= held
+    if not d.early:
+        return rate * (d.transfer_s + decode_s) <= held
+    own = d.prefill_s + d.transfer_s if d.kv_prefill_s is None else d.kv_prefill_s
+    return rate * (_queue_wait(d, rho, x, held) + own + decode_s) <= held
 
 
 def split_rate(
