@@ -454,6 +454,32 @@ def test_a_fresh_held_out_draw_runs_the_same_cells_on_other_seeds() -> None:
             heldout.check_fresh(bad)
 
 
+def test_a_screen_may_run_a_consumed_draw_and_says_it_is_no_held_out_result() -> None:
+    """`scenario run heldout --held-out-seeds 10,11 --screen`: a consumed draw is run (a planner
+    change screened on the draw that led to it), and its results and report say it is tuning
+    data; a fresh draw's say fresh."""
+    from evolving_infra.sim.scenario_command import report
+
+    heldout.check_screen((10, 11))
+    with pytest.raises(ValueError, match="twice"):
+        heldout.check_screen((10, 10))
+    assert heldout.draw_of((10, 11)) == "consumed"
+    assert heldout.draw_of((0, 12)) == "consumed"
+    assert heldout.draw_of((12, 13)) == "fresh"
+    base = {
+        "scenario": "heldout",
+        "shows": "-",
+        "claim": "-",
+        "quick": False,
+        "seed": 0,
+        "claims": [],
+    }
+    screened = report({**base, "held_out_seeds": [10, 11], "draw": "consumed", "runs": {}})
+    assert "a consumed draw (tuning data), a screen, no held-out result" in screened
+    fresh = report({**base, "held_out_seeds": [12, 13], "draw": "fresh", "runs": {}})
+    assert "Held-out seeds: 12, 13 (a fresh draw" in fresh
+
+
 def verdict_of(cells: dict[str, tuple[float, float, int]]) -> str:
     runs = {
         label: {

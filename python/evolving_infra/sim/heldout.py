@@ -178,6 +178,22 @@ def check_fresh(seeds: tuple[int, ...]) -> None:
         )
 
 
+def check_screen(seeds: tuple[int, ...]) -> None:
+    """A ValueError unless `seeds` name a draw to screen a change on (`scenario run heldout
+    --held-out-seeds K,L --screen`): any seeds, a consumed draw too, none twice. A screen's
+    results are tuning data, whatever the draw (`draw_of`)."""
+    if not seeds:
+        raise ValueError("--held-out-seeds needs at least one seed")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--held-out-seeds names a seed twice: {seeds}")
+
+
+def draw_of(seeds: tuple[int, ...]) -> str:
+    """ "consumed" where any of `seeds` is tuning data (a tuning seed or a consumed draw), else
+    "fresh": what a grid run on them may stand for."""
+    return "consumed" if set(seeds) & set(TUNE_SEEDS + CONSUMED_SEEDS) else "fresh"
+
+
 def tuning_cells(deployment: str) -> tuple[Cell, ...]:
     """The tuning cells of a deployment named in `TUNING_KINDS` (others: the H100s')."""
     return _grid(TUNING_KINDS, deployment, TUNE_SEEDS)

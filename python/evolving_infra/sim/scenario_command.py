@@ -48,6 +48,8 @@ switched off alone) and 36 / 256 / 3,072 GPUs. Each is one or more `sim` compari
   scenario run NAME [--quick] [--seed K] [--out DIR] [--jobs N]
   scenario run heldout|tuning --statics-from DIR/NAME   evolving again, the statics kept
   scenario run heldout|tuning --cells L,.. --policies P,..   some cells, other policies
+  scenario run heldout --held-out-seeds K,L [--screen]   a fresh draw (or, to screen a planner
+                                         change, a consumed one: tuning data)
   scenario check DIR/NAME...             the claims again, on results already written
 
 `run` writes DIR/NAME/results.json (every run's results as `sim` writes them, under "runs", and
@@ -94,7 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--held-out-seeds",
         metavar="K,L",
         help="heldout only: a fresh draw, these generator seeds instead of the protocol's 4,5"
-        " (not the tuning seeds 0,1 nor the consumed draws 2,3, 6,7 and 8,9; docs/scenarios.md)",
+        f" (not the tuning seeds {_seeds(heldout.TUNE_SEEDS)} nor the consumed draws"
+        f" {_seeds(heldout.CONSUMED_SEEDS)}; docs/scenarios.md)",
+    )
+    run.add_argument(
+        "--screen",
+        action="store_true",
+        help="with --held-out-seeds: a consumed draw may be named too, to screen a planner change"
+        " on the draw that led to it (tuning data: the report says it is no held-out result)",
     )
     run.add_argument(  # argparse %-formats help: `:.0%}%` writes "25%%", printed "25%"
         "--start-ramp",
@@ -240,6 +249,8 @@ def _check_grid(name: str, size: Size) -> None:
 def _held_out_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
     """`--held-out-seeds` as seeds, checked (`heldout.check_fresh`); None when not given."""
     if args.held_out_seeds is None:
+        if args.screen:
+            raise CommandError("--screen names a consumed draw: it needs --held-out-seeds")
         return None
     if args.name != "heldout":
         raise CommandError(f"--held-out-seeds is for the heldout scenario, not {args.name}")
@@ -252,10 +263,14 @@ def _held_out_seeds(args: argparse.Namespace) -> tuple[int, ...] | None:
     if any(k < 0 for k in seeds):
         raise CommandError(f"--held-out-seeds takes seeds >= 0, got {args.held_out_seeds!r}")
     try:
-        heldout.check_fresh(seeds)
+        (heldout.check_screen if args.screen else heldout.check_fresh)(seeds)
     except ValueError as e:
         raise CommandError(str(e)) from None
     return seeds
+
+
+def _seeds(seeds: tuple[int, ...]) -> str:
+    return ",".join(str(k) for k in seeds)
 
 
 def _list() -> None:
@@ -362,7 +377,12 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"Best static splits: taken from {results['statics_from']} (not run again).")
     if results.get("held_out_seeds"):
         seeds = ", ".join(str(k) for k in results["held_out_seeds"])
-        lines.append(f"Held-out seeds: {seeds} (a fresh draw; the protocol's: 4, 5).")
+        if results.get("draw") == "consumed":
+            lines.append(
+                f"Seeds: {seeds}: a consumed draw (tuning data), a screen, no held-out result."
+            )
+        else:
+            lines.append(f"Held-out seeds: {seeds} (a fresh draw; the protocol's: 4, 5).")
     if wall is not None:
         lines.append(f"Wall time: {wall:,.0f} s.")
     for label, r in results["runs"].items():

@@ -533,8 +533,9 @@ def run_scenario(
         "planner_options": {name: value for name, value in size.planner_options},
         "runs": {},
     }
-    if size.held_out_seeds is not None:  # a fresh draw (`heldout.check_fresh`)
+    if size.held_out_seeds is not None:  # a fresh draw (`heldout.check_fresh`), or a screen's
         out["held_out_seeds"] = list(size.held_out_seeds)
+        out["draw"] = heldout.draw_of(size.held_out_seeds)
     if scenario.name in GRIDS and runs:  # how the agents entered (`heldout.STEADY_RAMP`)
         out["start_ramp_s"] = runs[0].workload.ramp
     if size.cells is not None:
