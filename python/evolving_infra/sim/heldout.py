@@ -166,10 +166,7 @@ def check_fresh(seeds: tuple[int, ...]) -> None:
     fresh draw at all: a planner change judged on seeds 4-5 has been seen on them; the next
     should also be judged on seeds nothing was looked at on (`scenario run heldout
     --held-out-seeds 6,7`)."""
-    if not seeds:
-        raise ValueError("--held-out-seeds needs at least one seed")
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--held-out-seeds names a seed twice: {seeds}")
+    check_screen(seeds)
     tuned = sorted(set(seeds) & set(TUNE_SEEDS + CONSUMED_SEEDS))
     if tuned:
         raise ValueError(
@@ -180,8 +177,8 @@ def check_fresh(seeds: tuple[int, ...]) -> None:
 
 def check_screen(seeds: tuple[int, ...]) -> None:
     """A ValueError unless `seeds` name a draw to screen a change on (`scenario run heldout
-    --held-out-seeds K,L --screen`): any seeds, a consumed draw too, none twice. A screen's
-    results are tuning data, whatever the draw (`draw_of`)."""
+    --held-out-seeds K,L --screen`): any seeds, a consumed draw too, none twice. A change
+    judged on a fresh draw consumes it (`CONSUMED_SEEDS`)."""
     if not seeds:
         raise ValueError("--held-out-seeds needs at least one seed")
     if len(set(seeds)) != len(seeds):
@@ -189,8 +186,8 @@ def check_screen(seeds: tuple[int, ...]) -> None:
 
 
 def draw_of(seeds: tuple[int, ...]) -> str:
-    """ "consumed" where any of `seeds` is tuning data (a tuning seed or a consumed draw), else
-    "fresh": what a grid run on them may stand for."""
+    """What a grid run on `seeds` may stand for: "consumed" where any of them is tuning data (a
+    tuning seed or a consumed draw), else "fresh"."""
     return "consumed" if set(seeds) & set(TUNE_SEEDS + CONSUMED_SEEDS) else "fresh"
 
 
