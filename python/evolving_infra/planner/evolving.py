@@ -137,7 +137,6 @@ from evolving_infra.planner.throughput import (
     split_rate,
 )
 from evolving_infra.timing.model import IterationModel
-from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
 
 # Decode KV use by running requests at or above which the reuse model is not applied
 # (`_reuse_model`): a modelling choice, the share at which a cache has no room left to speak of.
@@ -399,28 +398,10 @@ class EvolvingPlanner(PlannerGate):
         scv: float = 0.0,
         arrivals: Sequence[tuple[int, int]] = (),
     ) -> SliceDemand:
-        """What a slice's mean request asks of a split (`throughput.split_rate`), its prefill
-        times' spread `scv` (the queue wait's) and its sampled `arrivals` ((uncached, cached)
-        each: their own prefill and transfer weighted by the tokens each reserves,
-        `SliceDemand.kv_prefill_s`); the candidate's μ_P is set by the caller."""
-        d = model.deployment
-        kv_prefill = None
-        if arrivals:
-            reserved = [u + c + m.output for u, c in arrivals]
-            own = [
-                prefill_seconds(model, u, c, self.chunk_tokens) + _transfer_s(model, u + c)
-                for u, c in arrivals
-            ]
-            kv_prefill = sum(r * t for r, t in zip(reserved, own, strict=True)) / sum(reserved)
-        return SliceDemand(
-            mean=m,
-            mu_p=0.0,
-            prefill_s=prefill_seconds(model, m.uncached, m.cached, self.chunk_tokens),
-            transfer_s=_transfer_s(model, m.uncached + m.cached),
-            early=self.early_allocation,
-            tokens_per_step=d.mtp_accepted if d is not None else 1.0,
-            service_scv=scv,
-            kv_prefill_s=kv_prefill,
+        """What a slice asks of a split (`throughput.SliceDemand.of`), at this planner's chunk
+        and allocation; the candidate's μ_P is set by the caller."""
+        return SliceDemand.of(
+            model, m, self.chunk_tokens, early=self.early_allocation, scv=scv, arrivals=arrivals
         )
 
     def _prefill_rates(
@@ -570,15 +551,6 @@ def _loop(s: SliceStats, rate: float, model: Answer) -> Loop:
         return Loop(rate * (s.think_s + modelled), s.think_s)
     scale = min(max(s.response_s / modelled, ANSWER_SCALE[0]), ANSWER_SCALE[1])
     return Loop(rate * (s.think_s + s.response_s), s.think_s, scale)
-
-
-def _transfer_s(model: IterationModel, tokens: float) -> float:
-    """Seconds a prompt's KV of `tokens` takes to move to its decode node (0 without a
-    deployment to size it)."""
-    d = model.deployment
-    if d is None:
-        return 0.0
-    return tokens * d.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * d.tp)
 
 
 def _scv(values: Sequence[float]) -> float:

@@ -65,10 +65,12 @@ finds it; the old Θ is its limit with no holding and no queue.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from evolving_infra.planner.common import MeanRequest
+from evolving_infra.planner.common import MeanRequest, prefill_seconds
 from evolving_infra.timing.model import IterationModel
+from evolving_infra.timing.ttft import DEFAULT_POOL_BANDWIDTH
 
 _BISECTIONS = 24
 _FIXED_POINT = 4
@@ -91,6 +93,50 @@ class SliceDemand:
     # the part of the decode KV's hold that grows with the request (module docstring); None:
     # the mean request's, `prefill_s + transfer_s`.
     kv_prefill_s: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        model: IterationModel,
+        m: MeanRequest,
+        chunk_tokens: int,
+        *,
+        early: bool,
+        scv: float = 0.0,
+        arrivals: Sequence[tuple[int, int]] = (),
+    ) -> SliceDemand:
+        """What a slice's mean request `m` asks of a split, with its prefill times' spread `scv`
+        (the queue wait's) and its sampled `arrivals` ((uncached, cached) each: their own
+        prefill and transfer weighted by the tokens each reserves, `kv_prefill_s`); μ_P is 0,
+        the candidate's to set."""
+        d = model.deployment
+        kv_prefill = None
+        if arrivals:
+            reserved = [u + c + m.output for u, c in arrivals]
+            own = [
+                prefill_seconds(model, u, c, chunk_tokens) + transfer_seconds(model, u + c)
+                for u, c in arrivals
+            ]
+            kv_prefill = sum(r * t for r, t in zip(reserved, own, strict=True)) / sum(reserved)
+        return cls(
+            mean=m,
+            mu_p=0.0,
+            prefill_s=prefill_seconds(model, m.uncached, m.cached, chunk_tokens),
+            transfer_s=transfer_seconds(model, m.uncached + m.cached),
+            early=early,
+            tokens_per_step=d.mtp_accepted if d is not None else 1.0,
+            service_scv=scv,
+            kv_prefill_s=kv_prefill,
+        )
+
+
+def transfer_seconds(model: IterationModel, tokens: float) -> float:
+    """Seconds a prompt's KV of `tokens` takes to move to its decode node (0 without a
+    deployment to size it)."""
+    d = model.deployment
+    if d is None:
+        return 0.0
+    return tokens * d.kv_bytes_per_token / (DEFAULT_POOL_BANDWIDTH * d.tp)
 
 
 def _queue_wait(d: SliceDemand, rho: float, x: int = 1, held: float = math.inf) -> float:
