@@ -167,7 +167,7 @@ def check_fresh(seeds: tuple[int, ...]) -> None:
     should also be judged on seeds nothing was looked at on (`scenario run heldout
     --held-out-seeds 6,7`)."""
     check_screen(seeds)
-    tuned = sorted(set(seeds) & set(TUNE_SEEDS + CONSUMED_SEEDS))
+    tuned = _tuning_data(seeds)
     if tuned:
         raise ValueError(
             f"seed {tuned[0]} is tuning data (tuning seeds {TUNE_SEEDS}, consumed draws "
@@ -188,7 +188,12 @@ def check_screen(seeds: tuple[int, ...]) -> None:
 def draw_of(seeds: tuple[int, ...]) -> str:
     """What a grid run on `seeds` may stand for: "consumed" where any of them is tuning data (a
     tuning seed or a consumed draw), else "fresh"."""
-    return "consumed" if set(seeds) & set(TUNE_SEEDS + CONSUMED_SEEDS) else "fresh"
+    return "consumed" if _tuning_data(seeds) else "fresh"
+
+
+def _tuning_data(seeds: tuple[int, ...]) -> list[int]:
+    """The seeds of `seeds` that are tuning data (tuning seeds or consumed draws), ascending."""
+    return sorted(set(seeds) & set(TUNE_SEEDS + CONSUMED_SEEDS))
 
 
 def tuning_cells(deployment: str) -> tuple[Cell, ...]:
